@@ -1,0 +1,17 @@
+"""logitless: losses and log-probabilities at the head of a language model without the N x V logits tensor."""
+
+from .cross_entropy import cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
+from .log_probs import linear_log_probs, linear_logsumexp
+from .nn import CrossEntropyLoss, LinearCrossEntropyLoss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "linear_log_probs",
+    "linear_logsumexp",
+]

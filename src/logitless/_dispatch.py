@@ -1,0 +1,74 @@
+"""Backend selection: one function picks "triton" or "torch" from the request, the device and the environment.
+
+- ``backend="torch"`` always runs the chunked PyTorch path (reference.py).
+- ``backend="triton"`` runs the Triton kernels: on CUDA tensors, or on CPU tensors through the Triton interpreter
+  when ``TRITON_INTERPRET=1`` is set (that is how the kernels are tested without a GPU).
+- ``backend="auto"`` (the default) is replaced by ``$LOGITLESS_BACKEND`` when that is set, else picks Triton for
+  CUDA tensors when Triton imports and the op has kernels, and PyTorch otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+BACKENDS = ("auto", "triton", "torch")
+
+# Ops whose Triton implementation exists; kernels register themselves here when their module imports cleanly.
+_TRITON_OPS: set[str] = set()
+
+
+def register_triton_op(op: str) -> None:
+    _TRITON_OPS.add(op)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _ensure_kernels_loaded() -> None:
+    # Importing the kernel packages registers their ops; done lazily so `import logitless` stays light.
+    if triton_importable():
+        from . import kernels  # noqa: F401
+
+
+def resolve_backend(backend: str, device, op: str) -> str:
+    """Return "triton" or "torch" for running `op` on tensors of `device`, or raise a clear error."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("LOGITLESS_BACKEND", "").strip().lower()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"LOGITLESS_BACKEND must be one of {BACKENDS}, got {env!r}")
+            backend = env
+    if backend == "torch":
+        return "torch"
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
+    if backend == "auto":
+        if not on_cuda or not triton_importable():
+            return "torch"
+        _ensure_kernels_loaded()
+        return "triton" if op in _TRITON_OPS else "torch"
+    # backend == "triton"
+    if not triton_importable():
+        raise RuntimeError(f"{op}: backend='triton' was requested but Triton is not installed or does not import")
+    if not on_cuda and not interpreter_enabled():
+        raise RuntimeError(
+            f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
+            "importing triton to run the kernels through the Triton interpreter, or use backend='torch'"
+        )
+    _ensure_kernels_loaded()
+    if op not in _TRITON_OPS:
+        raise NotImplementedError(f"{op}: there is no Triton implementation of this op yet; use backend='torch'")
+    return "triton"

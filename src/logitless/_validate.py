@@ -1,0 +1,160 @@
+"""One place that checks shapes, dtypes, devices and options, and raises errors that name the problem.
+
+Every public function calls into here before dispatching, so a bad argument never reaches a kernel. Checks that
+would need the values of a device tensor (targets out of range) never synchronise with the host: on CPU they raise
+at once, on other devices they go through a device-side assertion that fires by the next synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# float64 runs on the PyTorch path only (in float64 math); the Triton kernels take the first three.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class HeadArgs(NamedTuple):
+    """Validated, flattened arguments of a linear head: `x` is (N, D), `target` is (N,) int64 or None."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor | None
+    lead_shape: torch.Size
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _check_float_tensor(name: str, t, allow_dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allow_dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in allow_dtypes)
+        raise TypeError(f"{name} must have a floating dtype ({names}), got {t.dtype}")
+
+
+def check_options(
+    *,
+    reduction: str | None = None,
+    label_smoothing: float | None = None,
+    z_loss: float | None = None,
+    softcap: float | None = None,
+    temperature: float | None = None,
+    ignore_index=-100,
+) -> None:
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if label_smoothing is not None:
+        if isinstance(label_smoothing, torch.Tensor) or not isinstance(label_smoothing, (int, float)):
+            raise TypeError(f"label_smoothing must be a Python float, got {type(label_smoothing).__name__}")
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss is not None:
+        if isinstance(z_loss, torch.Tensor) or not isinstance(z_loss, (int, float)):
+            raise TypeError(f"z_loss must be a Python float, got {type(z_loss).__name__}")
+        if not float(z_loss) >= 0.0:
+            raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None:
+        if isinstance(softcap, torch.Tensor) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
+        if not float(softcap) > 0.0 or softcap == float("inf"):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if temperature is not None:
+        if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+        if not float(temperature) > 0.0 or temperature == float("inf"):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index: int, device) -> torch.Tensor:
+    """Check `target` against the leading shape and the class count; return it flattened as int64."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in INDEX_DTYPES:
+        raise TypeError(f"target must hold class indices as int64 or int32, got {target.dtype}")
+    if target.shape != lead_shape:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)} but the input's leading shape is {tuple(lead_shape)}"
+        )
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the input is on {device}")
+    t = target.reshape(-1).long()
+    bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
+    msg = f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}"
+    if _is_compiling() or t.device.type != "cpu":
+        # Fires by the next synchronisation instead of stalling the stream now.
+        torch._assert_async(~bad.any(), msg)
+    elif t.numel() and bool(bad.any()):
+        raise ValueError(msg)
+    return t
+
+
+def check_class_weight(weight, num_classes: int, device) -> torch.Tensor | None:
+    if weight is None:
+        return None
+    _check_float_tensor("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != num_classes:
+        raise ValueError(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"weight (class weights) is on {weight.device} but the input is on {device}")
+    return weight
+
+
+def check_linear(input, linear_weight, linear_bias) -> tuple[torch.Tensor, torch.Size]:
+    """Check a (..., D) input against a (V, D) weight and an optional (V,) bias; return (x as (N, D), lead shape)."""
+    _check_float_tensor("input", input)
+    _check_float_tensor("linear_weight", linear_weight)
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D (V, D), got shape {tuple(linear_weight.shape)}")
+    if input.dim() < 1:
+        raise ValueError("input must have at least one dimension (..., D), got a 0-d tensor")
+    V, D = linear_weight.shape
+    if input.shape[-1] != D:
+        raise ValueError(
+            f"input's last dimension is {input.shape[-1]} but linear_weight has shape ({V}, {D}): they must match"
+        )
+    if input.device != linear_weight.device:
+        raise ValueError(f"input is on {input.device} but linear_weight is on {linear_weight.device}")
+    if input.dtype != linear_weight.dtype:
+        raise TypeError(f"input is {input.dtype} but linear_weight is {linear_weight.dtype}: use one dtype")
+    if linear_bias is not None:
+        _check_float_tensor("linear_bias", linear_bias)
+        if linear_bias.shape != (V,):
+            raise ValueError(f"linear_bias must have shape ({V},), got {tuple(linear_bias.shape)}")
+        if linear_bias.device != linear_weight.device:
+            raise ValueError(f"linear_bias is on {linear_bias.device} but linear_weight is on {linear_weight.device}")
+    if V == 0:
+        raise ValueError("linear_weight has no rows: the vocabulary must not be empty")
+    lead_shape = input.shape[:-1]
+    return input.reshape(-1, D), lead_shape
+
+
+def linear_head(input, linear_weight, target, linear_bias, ignore_index) -> HeadArgs:
+    x, lead_shape = check_linear(input, linear_weight, linear_bias)
+    t = None
+    if target is not None:
+        t = check_target(target, lead_shape, linear_weight.shape[0], ignore_index, input.device)
+    return HeadArgs(x, linear_weight, linear_bias, t, lead_shape)
+
+
+def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """Check (..., V) logits and a target of the leading shape; return (logits as (N, V), target (N,), lead)."""
+    _check_float_tensor("logits", logits)
+    if logits.dim() < 1:
+        raise ValueError("logits must have at least one dimension (..., V), got a 0-d tensor")
+    V = logits.shape[-1]
+    if V == 0:
+        raise ValueError("logits have an empty class dimension")
+    lead_shape = logits.shape[:-1]
+    t = check_target(target, lead_shape, V, ignore_index, logits.device)
+    return logits.reshape(-1, V), t, lead_shape

@@ -1,0 +1,4 @@
+"""Triton kernels and their launchers. No autograd and no reductions live here.
+
+Importing this package registers, with the dispatcher, every op whose kernels import cleanly.
+"""

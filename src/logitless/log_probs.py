@@ -1,0 +1,72 @@
+"""linear_log_probs and linear_logsumexp: per-token scores of a linear head without materialising its logits."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from . import _validate, reference
+from ._dispatch import resolve_backend
+
+
+@overload
+def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                     linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
+                     ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...
+                     ) -> torch.Tensor: ...
+
+
+@overload
+def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                     linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
+                     ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def linear_log_probs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    backend: str = "auto",
+):
+    """Per-token ``log_softmax(z / temperature)[target]`` of ``z = F.linear(input, linear_weight, linear_bias)``.
+
+    ``z`` is softcapped (``softcap * tanh(z / softcap)``) before the temperature when ``softcap`` is set. All math
+    is float32. Differentiable with respect to ``input``, ``linear_weight`` and ``linear_bias``.
+
+    Args:
+        input: (..., D) float32, bfloat16 or float16; linear_weight: (V, D); target: (...) int64/int32.
+        return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
+
+    Returns:
+        float32 log-probs of the shape of ``target`` (0 at ``ignore_index`` positions), and with
+        ``return_entropy=True`` a tuple ``(log_probs, entropy)``; the entropy is 0 at ignored positions too.
+    """
+    _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
+    args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
+    resolve_backend(backend, input.device, "linear_log_probs")
+    return reference.log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
+
+
+def linear_logsumexp(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-row ``logsumexp(z / temperature)`` of ``z = F.linear(input, linear_weight, linear_bias)`` (softcapped
+    first when ``softcap`` is set), float32, of the input's leading shape. Differentiable."""
+    _validate.check_options(softcap=softcap, temperature=temperature)
+    args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
+    resolve_backend(backend, input.device, "linear_logsumexp")
+    return reference.logsumexp_torch(args, softcap, temperature)

@@ -1,0 +1,548 @@
+"""Pure-PyTorch twins of every logitless op: the CPU path, the fallback where Triton cannot run, and the reference.
+
+The twins have the public functions' signatures (without `backend`) and never build an N x V tensor: tokens are
+processed in chunks of rows and the vocabulary in chunks of columns, with an online log-sum-exp in the forward and a
+custom backward that recomputes each chunk's logits. All math is float32 whatever the input dtype.
+
+The `naive_*` functions at the bottom materialise the logits with PyTorch's own ops, in whatever dtype they are
+given: tests use them (in float64) as ground truth and (in the input dtype) as "PyTorch's own error", and benchmarks
+use them as the eager peer. They are not a fallback.
+
+Notation, for one row (token) i with logits z_j = softcap(x_i . W_j + b_j) / T:
+  lse = log sum_j exp(z_j),  p_j = exp(z_j - lse)
+and every op's gradient has the form (docs/math.md derives each)
+  dL/dz_j = p_j (A_i + B_i z_j) - C_i [j == t_i] - E_i w_j
+so one backward routine serves cross-entropy, log-probs, entropy and log-sum-exp; only the per-row coefficients
+(A, B, C, E) differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _validate
+
+# Elements of one (token chunk x vocab chunk) float32 block; a handful of such blocks are alive at once.
+_CHUNK_ELEMS = 1 << 20
+_VOCAB_CHUNK = 4096
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+def _token_chunk(V: int) -> int:
+    return max(16, _CHUNK_ELEMS // min(V, _VOCAB_CHUNK))
+
+
+def _transform(z: torch.Tensor, softcap: float | None, inv_temp: float) -> torch.Tensor:
+    """Raw float32 logits -> softcapped, temperature-scaled logits (in place where possible)."""
+    if softcap is not None:
+        z = torch.tanh(z / softcap).mul_(softcap)
+    if inv_temp != 1.0:
+        z = z * inv_temp
+    return z
+
+
+def _acc(dtype) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs (which only the PyTorch path accepts)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _linear_chunk(x_c, w_c, b_c, softcap, inv_temp):
+    """float32 logits of a (token chunk, vocab chunk) block: [Cn, Cv]."""
+    acc = _acc(x_c.dtype)
+    z = x_c.to(acc) @ w_c.to(acc).T
+    if b_c is not None:
+        z += b_c.to(acc)
+    return _transform(z, softcap, inv_temp)
+
+
+class _RowStats:
+    """Online per-row statistics over vocabulary chunks: max, sum of exp, target logit, smoothing and entropy sums."""
+
+    def __init__(self, n, device, dtype, target, ignore_index, want_smooth, want_entropy):
+        f32 = dict(device=device, dtype=dtype)
+        self.m = torch.full((n,), -math.inf, **f32)
+        self.s = torch.zeros(n, **f32)
+        self.target = target
+        self.ignore_index = ignore_index
+        self.zt = torch.zeros(n, **f32) if target is not None else None
+        # sum_j w_j (z_j - ref): taken relative to the first chunk's row max to avoid cancellation later.
+        self.ref = None
+        self.sw = torch.zeros(n, **f32) if want_smooth else None
+        # sum_j exp(z_j - m) (z_j - m), rescaled as m grows; gives the entropy without a second pass.
+        self.ent = torch.zeros(n, **f32) if want_entropy else None
+
+    def update(self, z, v0, v1, class_w_c):
+        m_c = z.amax(dim=1)
+        m_new = torch.maximum(self.m, m_c)
+        # Rows whose max is still -inf (empty so far) must not produce NaN from (-inf) - (-inf).
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = torch.exp(self.m - m_safe)
+        e = torch.exp(z - m_safe[:, None])
+        if self.ent is not None:
+            shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+            self.ent = alpha * (self.ent + shift * self.s) + (e * (z - m_safe[:, None])).sum(dim=1)
+        self.s = self.s * alpha + e.sum(dim=1)
+        self.m = m_new
+        if self.target is not None:
+            t = self.target
+            inside = (t >= v0) & (t < v1)
+            idx = (t - v0).clamp(0, v1 - v0 - 1)
+            self.zt = self.zt + torch.where(inside, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(self.zt))
+        if self.sw is not None:
+            if self.ref is None:
+                self.ref = m_c
+            d = z - self.ref[:, None]
+            self.sw = self.sw + (d if class_w_c is None else d * class_w_c).sum(dim=1)
+
+    def lse(self):
+        return self.m + torch.log(self.s)
+
+    def entropy(self):
+        # H = lse - sum p z = log s - sum exp(z - m)(z - m) / s
+        return torch.log(self.s) - self.ent / self.s
+
+
+def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, want_smooth, want_entropy):
+    """Run the online statistics over all (token chunk, vocab chunk) blocks. Returns per-row tensors."""
+    f = dict(device=device, dtype=dtype)
+    lse = torch.empty(n, **f)
+    zt = torch.zeros(n, **f) if target is not None else None
+    sw = torch.zeros(n, **f) if want_smooth else None
+    ref = torch.zeros(n, **f) if want_smooth else None
+    ent = torch.zeros(n, **f) if want_entropy else None
+    cn = _token_chunk(V)
+    for i0, i1 in _chunks(n, cn):
+        t_c = target[i0:i1] if target is not None else None
+        st = _RowStats(i1 - i0, device, dtype, t_c, ignore_index, want_smooth, want_entropy)
+        for v0, v1 in _chunks(V, _VOCAB_CHUNK):
+            z = chunk_fn(i0, i1, v0, v1)
+            st.update(z, v0, v1, None if class_w is None else class_w[v0:v1])
+        lse[i0:i1] = st.lse()
+        if zt is not None:
+            zt[i0:i1] = st.zt
+        if sw is not None:
+            sw[i0:i1] = st.sw
+            ref[i0:i1] = st.ref
+        if ent is not None:
+            ent[i0:i1] = st.entropy()
+    return lse, zt, sw, ref, ent
+
+
+def _dz_chunk(z, lse_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
+    """dL/dz for one block: p (A + B z) - C [j == t] - E w. z is modified in place into the result."""
+    p = torch.exp(z - lse_c[:, None])
+    if B_c is not None:
+        dz = p * (A_c[:, None] + B_c[:, None] * z)
+    else:
+        dz = p.mul_(A_c[:, None])
+    if E_c is not None:
+        dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
+    if C_c is not None:
+        inside = (t_c >= v0) & (t_c < v1)
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)
+        dz.scatter_add_(1, idx[:, None], torch.where(inside, -C_c, torch.zeros_like(C_c))[:, None])
+    return dz
+
+
+def _chain_transform(dz, z, softcap, inv_temp):
+    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `z` is the transformed logit block."""
+    if inv_temp != 1.0:
+        dz = dz * inv_temp
+    if softcap is not None:
+        capped = z / inv_temp if inv_temp != 1.0 else z
+        dz = dz * (1.0 - (capped / softcap) ** 2)
+    return dz
+
+
+def _linear_head_backward(x, w, b, target, class_w, lse, coef, softcap, inv_temp, needs):
+    """Gradients of a linear head given per-row coefficients coef = (A, B, C, E). Vocab-outer, so each chunk of
+    dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks."""
+    A, B, C, E = coef
+    n, D = x.shape
+    V = w.shape[0]
+    need_x, need_w, need_b = needs
+    acc = _acc(x.dtype)
+    dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
+    dw = torch.empty_like(w) if need_w else None
+    db = torch.empty_like(b) if need_b else None
+    cn = _token_chunk(V)
+    for v0, v1 in _chunks(V, _VOCAB_CHUNK):
+        w_c = w[v0:v1].to(acc)
+        b_c = b[v0:v1].to(acc) if b is not None else None
+        cw_c = class_w[v0:v1] if class_w is not None else None
+        dw_c = torch.zeros(v1 - v0, D, device=x.device, dtype=acc) if need_w else None
+        db_c = torch.zeros(v1 - v0, device=x.device, dtype=acc) if need_b else None
+        for i0, i1 in _chunks(n, cn):
+            x_c = x[i0:i1].to(acc)
+            z = x_c @ w_c.T
+            if b_c is not None:
+                z += b_c
+            z = _transform(z, softcap, inv_temp)
+            sl = slice(i0, i1)
+            dz = _dz_chunk(
+                z, lse[sl], A[sl], None if B is None else B[sl], None if C is None else C[sl],
+                None if E is None else E[sl], None if target is None else target[sl], v0, v1, cw_c,
+            )
+            dz = _chain_transform(dz, z, softcap, inv_temp)
+            if need_x:
+                dx[sl] += dz @ w_c
+            if need_w:
+                dw_c += dz.T @ x_c
+            if need_b:
+                db_c += dz.sum(dim=0)
+        if need_w:
+            dw[v0:v1] = dw_c
+        if need_b:
+            db[v0:v1] = db_c
+    return (dx.to(x.dtype) if need_x else None), dw, db
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cross-entropy coefficients, shared with the Triton path so both compute the same function.
+
+
+def ce_row_terms(target, class_w, ignore_index, label_smoothing, V, dtype=torch.float32):
+    """Per-row (valid mask as float, target class weight) and the sum of class weights, all float32."""
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    if class_w is None:
+        w_t = valid.to(dtype)
+        w_sum = float(V)
+    else:
+        cw = class_w.to(dtype)
+        w_t = cw[safe_t] * valid
+        w_sum = cw.sum()
+    return valid, w_t, w_sum
+
+
+def ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V):
+    """Per-token loss (0 at ignored rows) from the per-row forward statistics."""
+    eps = float(label_smoothing)
+    loss = (1.0 - eps) * w_t * (lse - zt)
+    if eps > 0.0:
+        # sum_j w_j (lse - z_j) = W (lse - ref) - sum_j w_j (z_j - ref)
+        loss = loss + (eps / V) * (w_sum * (lse - ref) - sw)
+    if z_loss > 0.0:
+        loss = loss + z_loss * lse * lse
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V):
+    """(A, B, C, E) of dL/dz = p (A + B z) - C [j == t] - E w for the cross-entropy loss, upstream `grad`."""
+    eps = float(label_smoothing)
+    g = torch.where(valid, grad.to(lse.dtype), torch.zeros_like(lse))
+    C = g * (1.0 - eps) * w_t
+    A = C + g * (eps / V) * w_sum
+    if z_loss > 0.0:
+        A = A + g * (2.0 * z_loss) * lse
+    E = g * (eps / V) if eps > 0.0 else None
+    return A, None, C, E
+
+
+def reduce_loss(per_token, valid, w_t, reduction, lead_shape):
+    """Apply the reduction the way F.cross_entropy does (mean divides by the summed target weights)."""
+    if reduction == "none":
+        return per_token.reshape(lead_shape)
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / w_t.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autograd Functions of the PyTorch path.
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_w, ignore_index, label_smoothing, z_loss, softcap):
+        n, V = x.shape[0], w.shape[0]
+        chunk = lambda i0, i1, v0, v1: _linear_chunk(
+            x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, 1.0
+        )
+        want_smooth = label_smoothing > 0.0
+        lse, zt, sw, ref, _ = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index, class_w, want_smooth, False)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
+        loss = ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        ctx.save_for_backward(x, w, b, target, class_w, lse)
+        ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        x, w, b, target, class_w, lse = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, softcap = ctx.opts
+        V = w.shape[0]
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
+        coef = ce_backward_coef(grad_loss, lse, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        dx, dw, db = _linear_head_backward(x, w, b, target, class_w, lse, coef, softcap, 1.0, needs)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Outputs (log p of target, entropy, lse), each per row; log p and entropy are 0 at ignored rows."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, ignore_index, softcap, inv_temp, want_entropy):
+        n, V = x.shape[0], w.shape[0]
+        chunk = lambda i0, i1, v0, v1: _linear_chunk(
+            x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
+        )
+        lse, zt, _, _, ent = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index, None, False, want_entropy)
+        valid = target != ignore_index
+        zero = torch.zeros_like(lse)
+        logp = torch.where(valid, zt - lse, zero)
+        if ent is None:
+            ent = zero.clone()
+        ent = torch.where(valid, ent, zero)
+        ctx.save_for_backward(x, w, b, target, lse, ent)
+        ctx.opts = (ignore_index, softcap, inv_temp)
+        ctx.mark_non_differentiable(lse)
+        return logp, ent, lse
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent, _grad_lse):
+        x, w, b, target, lse, ent = ctx.saved_tensors
+        ignore_index, softcap, inv_temp = ctx.opts
+        coef = log_probs_backward_coef(grad_logp, grad_ent, lse, ent, target != ignore_index)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        dx, dw, db = _linear_head_backward(x, w, b, target, None, lse, coef, softcap, inv_temp, needs)
+        return dx, dw, db, None, None, None, None, None
+
+
+def log_probs_backward_coef(grad_logp, grad_ent, lse, ent, valid):
+    """d log p_t/dz_j = [j == t] - p_j ;  dH/dz_j = -p_j (z_j - mu), mu = sum p z = lse - H."""
+    zero = torch.zeros_like(lse)
+    g_lp = torch.where(valid, grad_logp.to(lse.dtype), zero) if grad_logp is not None else zero
+    A = -g_lp
+    B = None
+    if grad_ent is not None:
+        g_h = torch.where(valid, grad_ent.to(lse.dtype), zero)
+        A = A + g_h * (lse - ent)
+        B = -g_h
+    return A, B, -g_lp, None
+
+
+class _LinearLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, softcap, inv_temp):
+        n, V = x.shape[0], w.shape[0]
+        chunk = lambda i0, i1, v0, v1: _linear_chunk(
+            x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
+        )
+        lse = _head_forward(chunk, n, V, x.device, _acc(x.dtype), None, 0, None, False, False)[0]
+        ctx.save_for_backward(x, w, b, lse)
+        ctx.opts = (softcap, inv_temp)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad_lse):
+        x, w, b, lse = ctx.saved_tensors
+        softcap, inv_temp = ctx.opts
+        coef = (grad_lse.to(lse.dtype), None, None, None)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        dx, dw, db = _linear_head_backward(x, w, b, None, None, lse, coef, softcap, inv_temp, needs)
+        return dx, dw, db, None, None
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, class_w, ignore_index, label_smoothing, z_loss, softcap):
+        n, V = logits.shape
+        acc = _acc(logits.dtype)
+        chunk = lambda i0, i1, v0, v1: _transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
+        want_smooth = label_smoothing > 0.0
+        lse, zt, sw, ref, _ = _head_forward(chunk, n, V, logits.device, acc, target, ignore_index, class_w,
+                                            want_smooth, False)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
+        loss = ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        ctx.save_for_backward(logits, target, class_w, lse)
+        ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        logits, target, class_w, lse = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, softcap = ctx.opts
+        n, V = logits.shape
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
+        A, B, C, E = ce_backward_coef(grad_loss, lse, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        grad = torch.empty_like(logits)
+        for i0, i1 in _chunks(n, _token_chunk(V)):
+            sl = slice(i0, i1)
+            for v0, v1 in _chunks(V, _VOCAB_CHUNK):
+                z = _transform(logits[sl, v0:v1].to(lse.dtype), softcap, 1.0)
+                dz = _dz_chunk(z, lse[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl], v0, v1,
+                               None if class_w is None else class_w[v0:v1])
+                grad[sl, v0:v1] = _chain_transform(dz, z, softcap, 1.0)
+        return grad, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The twins: same signatures as the public functions (minus `backend`). They validate their arguments.
+
+
+def _class_weight_acc(weight, dtype):
+    return None if weight is None else weight.to(_acc(dtype))
+
+
+def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap):
+    """PyTorch path on validated arguments (see linear_cross_entropy)."""
+    class_w = _class_weight_acc(weight, args.x.dtype)
+    per_token, _ = _LinearCrossEntropy.apply(
+        args.x, args.weight, args.bias, args.target, class_w, ignore_index, float(label_smoothing), float(z_loss),
+        None if softcap is None else float(softcap),
+    )
+    valid, w_t, _ = ce_row_terms(args.target, class_w, ignore_index, label_smoothing, args.weight.shape[0],
+                                 per_token.dtype)
+    return reduce_loss(per_token, valid, w_t, reduction, args.lead_shape)
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """Chunked PyTorch twin of :func:`logitless.linear_cross_entropy`."""
+    ignore_index = -100 if ignore_index is None else ignore_index
+    _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                            ignore_index=ignore_index)
+    args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
+    weight = _validate.check_class_weight(weight, linear_weight.shape[0], input.device)
+    return lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
+
+
+def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
+    logp, ent, _ = _LinearLogProbs.apply(
+        args.x, args.weight, args.bias, args.target, ignore_index, None if softcap is None else float(softcap),
+        1.0 / float(temperature), bool(return_entropy),
+    )
+    logp = logp.reshape(args.lead_shape)
+    if return_entropy:
+        return logp, ent.reshape(args.lead_shape)
+    return logp
+
+
+def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
+                     ignore_index=-100, return_entropy=False):
+    """Chunked PyTorch twin of :func:`logitless.linear_log_probs`."""
+    _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
+    args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
+    return log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
+
+
+def logsumexp_torch(args, softcap, temperature):
+    lse = _LinearLogSumExp.apply(args.x, args.weight, args.bias, None if softcap is None else float(softcap),
+                                 1.0 / float(temperature))
+    return lse.reshape(args.lead_shape)
+
+
+def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0):
+    """Chunked PyTorch twin of :func:`logitless.linear_logsumexp`."""
+    _validate.check_options(softcap=softcap, temperature=temperature)
+    args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
+    return logsumexp_torch(args, softcap, temperature)
+
+
+def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
+                        softcap, return_lse=False):
+    class_w = _class_weight_acc(weight, logits2d.dtype)
+    per_token, lse = _CrossEntropy.apply(logits2d, target, class_w, ignore_index, float(label_smoothing),
+                                         float(z_loss), None if softcap is None else float(softcap))
+    valid, w_t, _ = ce_row_terms(target, class_w, ignore_index, label_smoothing, logits2d.shape[1], per_token.dtype)
+    loss = reduce_loss(per_token, valid, w_t, reduction, lead_shape)
+    return (loss, lse.reshape(lead_shape)) if return_lse else loss
+
+
+def cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                  z_loss=0.0, softcap=None):
+    """Chunked PyTorch twin of :func:`logitless.cross_entropy`."""
+    ignore_index = -100 if ignore_index is None else ignore_index
+    _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                            ignore_index=ignore_index)
+    logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)
+    weight = _validate.check_class_weight(weight, logits2d.shape[1], logits.device)
+    return cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
+                               softcap)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Materialising compositions of PyTorch ops (ground truth for tests, the eager peer in benchmarks).
+
+
+def naive_logits(input, linear_weight, linear_bias=None, softcap=None, temperature=1.0):
+    z = F.linear(input, linear_weight, linear_bias)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+def naive_cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                        z_loss=0.0, softcap=None, upcast=True):
+    """F.cross_entropy plus z-loss on materialised logits; computes in float32 (or the logits' dtype if wider)
+    when `upcast`, else in the logits' own dtype."""
+    if upcast and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    V = logits.shape[-1]
+    z = logits.reshape(-1, V)
+    t = target.reshape(-1).long()
+    w = None if weight is None else weight.to(z.dtype)
+    per = F.cross_entropy(z, t, weight=w, reduction="none", ignore_index=ignore_index,
+                          label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    if z_loss > 0.0:
+        lse = torch.logsumexp(z, dim=-1)
+        per = per + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return per.reshape(target.shape)
+    if reduction == "sum":
+        return per.sum()
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    denom = valid.to(z.dtype).sum() if w is None else (w[safe_t] * valid).sum()
+    return per.sum() / denom
+
+
+def naive_linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, upcast=True):
+    z = F.linear(input, linear_weight, linear_bias)
+    return naive_cross_entropy(z, target, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, upcast=upcast)
+
+
+def naive_linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
+                           ignore_index=-100, return_entropy=False, upcast=True):
+    z = F.linear(input, linear_weight, linear_bias)
+    if upcast and z.dtype in (torch.bfloat16, torch.float16):
+        z = z.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target)).long()
+    logp = logp_all.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, torch.where(valid, ent, torch.zeros_like(ent))
+
+
+def naive_linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0, upcast=True):
+    z = F.linear(input, linear_weight, linear_bias)
+    if upcast and z.dtype in (torch.bfloat16, torch.float16):
+        z = z.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.logsumexp(z / temperature, dim=-1)
