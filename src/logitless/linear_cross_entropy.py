@@ -21,6 +21,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     backend: str = "auto",
+    process_group=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` against ``target``, never building the logits.
 
@@ -44,11 +45,22 @@ def linear_cross_entropy(
         softcap: positive logit cap (Gemma 2), or None.
         backend: "auto" (Triton on CUDA when available, else PyTorch; ``$LOGITLESS_BACKEND`` overrides),
             "triton" or "torch".
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
+            (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
+            See :mod:`logitless.distributed`.
 
     Returns:
         float32 loss: a scalar, or the shape of ``target`` for ``reduction="none"``.
     """
     ignore_index = -100 if ignore_index is None else ignore_index
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            backend=backend, process_group=process_group,
+        )
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)

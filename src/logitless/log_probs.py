@@ -13,15 +13,15 @@ from ._dispatch import resolve_backend
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
-                     ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...
-                     ) -> torch.Tensor: ...
+                     ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...,
+                     process_group=...) -> torch.Tensor: ...
 
 
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
-                     ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...
-                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...,
+                     process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_log_probs(
@@ -35,6 +35,7 @@ def linear_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: str = "auto",
+    process_group=None,
 ):
     """Per-token ``log_softmax(z / temperature)[target]`` of ``z = F.linear(input, linear_weight, linear_bias)``.
 
@@ -44,11 +45,20 @@ def linear_log_probs(
     Args:
         input: (..., D) float32, bfloat16 or float16; linear_weight: (V, D); target: (...) int64/int32.
         return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
+        process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
+            :mod:`logitless.distributed`.
 
     Returns:
         float32 log-probs of the shape of ``target`` (0 at ``ignore_index`` positions), and with
         ``return_entropy=True`` a tuple ``(log_probs, entropy)``; the entropy is 0 at ignored positions too.
     """
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.linear_log_probs(
+            input, linear_weight, target, linear_bias=linear_bias, softcap=softcap, temperature=temperature,
+            ignore_index=ignore_index, return_entropy=return_entropy, backend=backend, process_group=process_group,
+        )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     resolve_backend(backend, input.device, "linear_log_probs")
@@ -63,9 +73,15 @@ def linear_logsumexp(
     softcap: float | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
+    process_group=None,
 ) -> torch.Tensor:
     """Per-row ``logsumexp(z / temperature)`` of ``z = F.linear(input, linear_weight, linear_bias)`` (softcapped
     first when ``softcap`` is set), float32, of the input's leading shape. Differentiable."""
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.linear_logsumexp(input, linear_weight, linear_bias=linear_bias, softcap=softcap,
+                                            temperature=temperature, backend=backend, process_group=process_group)
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
     resolve_backend(backend, input.device, "linear_logsumexp")
