@@ -22,7 +22,7 @@ def register_triton_op(op: str) -> None:
     _TRITON_OPS.add(op)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_importable() -> bool:
     try:
         import triton  # noqa: F401

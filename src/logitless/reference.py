@@ -9,7 +9,7 @@ given: tests use them (in float64) as ground truth and (in the input dtype) as "
 use them as the eager peer. They are not a fallback.
 
 Notation, for one row (token) i with logits z_j = softcap(x_i . W_j + b_j) / T:
-  lse = log sum_j exp(z_j),  p_j = exp(z_j - lse)
+  lse = log sum_j exp(z_j) = m + logs (m the row max),  p_j = exp((z_j - m) - logs)
 and every op's gradient has the form (docs/math.md derives each)
   dL/dz_j = p_j (A_i + B_i z_j) - C_i [j == t_i] - E_i w_j
 so one backward routine serves cross-entropy, log-probs, entropy and log-sum-exp; only the per-row coefficients
@@ -101,8 +101,8 @@ class _RowStats:
             d = z - self.ref[:, None]
             self.sw = self.sw + (d if class_w_c is None else d * class_w_c).sum(dim=1)
 
-    def lse(self):
-        return self.m + torch.log(self.s)
+    def logs(self):
+        return torch.log(self.s)
 
     def entropy(self):
         # H = lse - sum p z = log s - sum exp(z - m)(z - m) / s
@@ -110,9 +110,12 @@ class _RowStats:
 
 
 def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, want_smooth, want_entropy):
-    """Run the online statistics over all (token chunk, vocab chunk) blocks. Returns per-row tensors."""
+    """Run the online statistics over all (token chunk, vocab chunk) blocks. Returns per-row tensors
+    (m, logs, zt, sw, ref, ent): the row max and log sum_j exp(z_j - m) are kept apart (lse = m + logs) because
+    z_j - m is exact while a rounded float32 lse of a logit near 1e4 is off by ~1e-3, which would skew every p_j."""
     f = dict(device=device, dtype=dtype)
-    lse = torch.empty(n, **f)
+    m = torch.empty(n, **f)
+    logs = torch.empty(n, **f)
     zt = torch.zeros(n, **f) if target is not None else None
     sw = torch.zeros(n, **f) if want_smooth else None
     ref = torch.zeros(n, **f) if want_smooth else None
@@ -124,7 +127,8 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
         for v0, v1 in _chunks(V, _VOCAB_CHUNK):
             z = chunk_fn(i0, i1, v0, v1)
             st.update(z, v0, v1, None if class_w is None else class_w[v0:v1])
-        lse[i0:i1] = st.lse()
+        m[i0:i1] = st.m
+        logs[i0:i1] = st.logs()
         if zt is not None:
             zt[i0:i1] = st.zt
         if sw is not None:
@@ -132,12 +136,12 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
             ref[i0:i1] = st.ref
         if ent is not None:
             ent[i0:i1] = st.entropy()
-    return lse, zt, sw, ref, ent
+    return m, logs, zt, sw, ref, ent
 
 
-def _dz_chunk(z, lse_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
+def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
     """dL/dz for one block: p (A + B z) - C [j == t] - E w. z is modified in place into the result."""
-    p = torch.exp(z - lse_c[:, None])
+    p = torch.exp((z - m_c[:, None]) - logs_c[:, None])
     if B_c is not None:
         dz = p * (A_c[:, None] + B_c[:, None] * z)
     else:
@@ -161,7 +165,7 @@ def _chain_transform(dz, z, softcap, inv_temp):
     return dz
 
 
-def _linear_head_backward(x, w, b, target, class_w, lse, coef, softcap, inv_temp, needs):
+def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs):
     """Gradients of a linear head given per-row coefficients coef = (A, B, C, E). Vocab-outer, so each chunk of
     dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks."""
     A, B, C, E = coef
@@ -187,7 +191,7 @@ def _linear_head_backward(x, w, b, target, class_w, lse, coef, softcap, inv_temp
             z = _transform(z, softcap, inv_temp)
             sl = slice(i0, i1)
             dz = _dz_chunk(
-                z, lse[sl], A[sl], None if B is None else B[sl], None if C is None else C[sl],
+                z, m[sl], logs[sl], A[sl], None if B is None else B[sl], None if C is None else C[sl],
                 None if E is None else E[sl], None if target is None else target[sl], v0, v1, cw_c,
             )
             dz = _chain_transform(dz, z, softcap, inv_temp)
@@ -222,13 +226,14 @@ def ce_row_terms(target, class_w, ignore_index, label_smoothing, V, dtype=torch.
     return valid, w_t, w_sum
 
 
-def ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V):
-    """Per-token loss (0 at ignored rows) from the per-row forward statistics."""
+def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V):
+    """Per-token loss (0 at ignored rows) from the per-row forward statistics (lse = m + logs)."""
     eps = float(label_smoothing)
-    loss = (1.0 - eps) * w_t * (lse - zt)
+    lse = m + logs
+    loss = (1.0 - eps) * w_t * ((m - zt) + logs)
     if eps > 0.0:
         # sum_j w_j (lse - z_j) = W (lse - ref) - sum_j w_j (z_j - ref)
-        loss = loss + (eps / V) * (w_sum * (lse - ref) - sw)
+        loss = loss + (eps / V) * (w_sum * ((m - ref) + logs) - sw)
     if z_loss > 0.0:
         loss = loss + z_loss * lse * lse
     return torch.where(valid, loss, torch.zeros_like(loss))
@@ -261,30 +266,33 @@ def reduce_loss(per_token, valid, w_t, reduction, lead_shape):
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Outputs (per-token loss, lse); the loss is 0 at ignored rows."""
+
     @staticmethod
     def forward(ctx, x, w, b, target, class_w, ignore_index, label_smoothing, z_loss, softcap):
         n, V = x.shape[0], w.shape[0]
         chunk = lambda i0, i1, v0, v1: _linear_chunk(
             x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, 1.0
         )
-        want_smooth = label_smoothing > 0.0
-        lse, zt, sw, ref, _ = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index, class_w, want_smooth, False)
-        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
-        loss = ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
-        ctx.save_for_backward(x, w, b, target, class_w, lse)
+        m, logs, zt, sw, ref, _ = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index,
+                                                class_w, label_smoothing > 0.0, False)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
+        loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        lse = m + logs
+        ctx.save_for_backward(x, w, b, target, class_w, m, logs)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        x, w, b, target, class_w, lse = ctx.saved_tensors
+        x, w, b, target, class_w, m, logs = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         V = w.shape[0]
-        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
-        coef = ce_backward_coef(grad_loss, lse, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
+        coef = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        dx, dw, db = _linear_head_backward(x, w, b, target, class_w, lse, coef, softcap, 1.0, needs)
+        dx, dw, db = _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, 1.0, needs)
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -297,25 +305,25 @@ class _LinearLogProbs(torch.autograd.Function):
         chunk = lambda i0, i1, v0, v1: _linear_chunk(
             x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
         )
-        lse, zt, _, _, ent = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index, None, False, want_entropy)
+        m, logs, zt, _, _, ent = _head_forward(chunk, n, V, x.device, _acc(x.dtype), target, ignore_index, None,
+                                               False, want_entropy)
         valid = target != ignore_index
-        zero = torch.zeros_like(lse)
-        logp = torch.where(valid, zt - lse, zero)
-        if ent is None:
-            ent = zero.clone()
-        ent = torch.where(valid, ent, zero)
-        ctx.save_for_backward(x, w, b, target, lse, ent)
+        zero = torch.zeros_like(m)
+        logp = torch.where(valid, (zt - m) - logs, zero)
+        ent = torch.where(valid, ent, zero) if ent is not None else zero.clone()
+        lse = m + logs
+        ctx.save_for_backward(x, w, b, target, m, logs, ent)
         ctx.opts = (ignore_index, softcap, inv_temp)
         ctx.mark_non_differentiable(lse)
         return logp, ent, lse
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent, _grad_lse):
-        x, w, b, target, lse, ent = ctx.saved_tensors
+        x, w, b, target, m, logs, ent = ctx.saved_tensors
         ignore_index, softcap, inv_temp = ctx.opts
-        coef = log_probs_backward_coef(grad_logp, grad_ent, lse, ent, target != ignore_index)
+        coef = log_probs_backward_coef(grad_logp, grad_ent, m + logs, ent, target != ignore_index)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        dx, dw, db = _linear_head_backward(x, w, b, target, None, lse, coef, softcap, inv_temp, needs)
+        dx, dw, db = _linear_head_backward(x, w, b, target, None, m, logs, coef, softcap, inv_temp, needs)
         return dx, dw, db, None, None, None, None, None
 
 
@@ -339,18 +347,18 @@ class _LinearLogSumExp(torch.autograd.Function):
         chunk = lambda i0, i1, v0, v1: _linear_chunk(
             x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
         )
-        lse = _head_forward(chunk, n, V, x.device, _acc(x.dtype), None, 0, None, False, False)[0]
-        ctx.save_for_backward(x, w, b, lse)
+        m, logs = _head_forward(chunk, n, V, x.device, _acc(x.dtype), None, 0, None, False, False)[:2]
+        ctx.save_for_backward(x, w, b, m, logs)
         ctx.opts = (softcap, inv_temp)
-        return lse
+        return m + logs
 
     @staticmethod
     def backward(ctx, grad_lse):
-        x, w, b, lse = ctx.saved_tensors
+        x, w, b, m, logs = ctx.saved_tensors
         softcap, inv_temp = ctx.opts
-        coef = (grad_lse.to(lse.dtype), None, None, None)
+        coef = (grad_lse.to(m.dtype), None, None, None)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        dx, dw, db = _linear_head_backward(x, w, b, None, None, lse, coef, softcap, inv_temp, needs)
+        dx, dw, db = _linear_head_backward(x, w, b, None, None, m, logs, coef, softcap, inv_temp, needs)
         return dx, dw, db, None, None
 
 
@@ -360,30 +368,30 @@ class _CrossEntropy(torch.autograd.Function):
         n, V = logits.shape
         acc = _acc(logits.dtype)
         chunk = lambda i0, i1, v0, v1: _transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
-        want_smooth = label_smoothing > 0.0
-        lse, zt, sw, ref, _ = _head_forward(chunk, n, V, logits.device, acc, target, ignore_index, class_w,
-                                            want_smooth, False)
-        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
-        loss = ce_loss_from_stats(lse, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
-        ctx.save_for_backward(logits, target, class_w, lse)
+        m, logs, zt, sw, ref, _ = _head_forward(chunk, n, V, logits.device, acc, target, ignore_index, class_w,
+                                                label_smoothing > 0.0, False)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
+        loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        lse = m + logs
+        ctx.save_for_backward(logits, target, class_w, m, logs)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        logits, target, class_w, lse = ctx.saved_tensors
+        logits, target, class_w, m, logs = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
-        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, lse.dtype)
-        A, B, C, E = ce_backward_coef(grad_loss, lse, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
+        A, B, C, E = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
         grad = torch.empty_like(logits)
         for i0, i1 in _chunks(n, _token_chunk(V)):
             sl = slice(i0, i1)
             for v0, v1 in _chunks(V, _VOCAB_CHUNK):
-                z = _transform(logits[sl, v0:v1].to(lse.dtype), softcap, 1.0)
-                dz = _dz_chunk(z, lse[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl], v0, v1,
-                               None if class_w is None else class_w[v0:v1])
+                z = _transform(logits[sl, v0:v1].to(m.dtype), softcap, 1.0)
+                dz = _dz_chunk(z, m[sl], logs[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl],
+                               v0, v1, None if class_w is None else class_w[v0:v1])
                 grad[sl, v0:v1] = _chain_transform(dz, z, softcap, 1.0)
         return grad, None, None, None, None, None, None
 

@@ -1,0 +1,171 @@
+"""linear_cross_entropy on the PyTorch path against float64 ground truth, under the STYLE.md error rule."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless
+from logitless import reference
+from tests.helpers import DTYPES, assert_within_rule, grads
+
+N, D, V = 37, 45, 300  # odd sizes: no dimension is a multiple of a chunk or a tile
+
+
+def make_case(dtype, *, n=N, d=D, v=V, bias=False, ignore_frac=0.25, scale=1.0, seed=0, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * scale).to(dtype)
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    if lead is not None:
+        x, t = x.reshape(*lead, d), t.reshape(lead)
+    return x, w, b, t
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def check_against_truth(fn_ours, fn_naive, x, w, b, t, upstream=None, **kw):
+    """Run ours (same dtype), PyTorch (same dtype, no upcast) and float64 truth; compare value and gradients."""
+    xo, wo, bo = leaves(x, w, b)
+    ours = fn_ours(xo, wo, t, linear_bias=bo, backend="torch", **kw)
+    xt, wt, bt = leaves(x, w, b)
+    theirs = fn_naive(xt, wt, t, linear_bias=bt, upcast=False, **kw)
+    x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    truth = fn_naive(x64, w64, t, linear_bias=b64, **kw64)
+    assert ours.dtype == torch.float32 and ours.shape == truth.shape
+    assert_within_rule("loss", ours, theirs, truth)
+    if upstream is None and truth.dim() > 0:
+        upstream = torch.randn(truth.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, go, gt, g64 in zip(
+        ("d_input", "d_weight", "d_bias"),
+        grads(ours, [xo, wo, bo], upstream),
+        grads(theirs, [xt, wt, bt], upstream),
+        grads(truth, [x64, w64, b64], upstream),
+        strict=True,
+    ):
+        assert go.dtype == x.dtype
+        assert_within_rule(name, go, gt, g64)
+
+
+# reduction x ignored tokens x label smoothing x z-loss x softcap x bias x class weights x dtype
+GRID = list(itertools.product(
+    ("mean", "sum", "none"), (0.0, 0.3), (0.0, 0.1), (0.0, 1e-3), (None, 5.0), (False, True), (False, True), DTYPES
+))
+
+
+@pytest.mark.parametrize("reduction,ignore_frac,smoothing,z_loss,softcap,bias,class_w,dtype", GRID)
+def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, class_w, dtype):
+    x, w, b, t = make_case(dtype, bias=bias, ignore_frac=ignore_frac, scale=3.0)
+    cw = torch.rand(V, generator=torch.Generator().manual_seed(2)) + 0.5 if class_w else None
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+                        weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(dtype):
+    # Logits of magnitude ~1e4: an exp without the max shift overflows, a bad online rescale gives NaN.
+    x, w, b, t = make_case(dtype, scale=3000.0, bias=True)
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+                        label_smoothing=0.1, z_loss=1e-6)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_odd_large_vocab_single_token(dtype):
+    # N = 1, D = 123, V = 50257 (GPT-2): several vocabulary chunks with a ragged last one.
+    x, w, b, t = make_case(dtype, n=1, d=123, v=50257, ignore_frac=0.0, bias=True)
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+                        reduction="mean", label_smoothing=0.05)
+
+
+def test_many_token_chunks():
+    # More rows than one token chunk, so the chunk loop and its bookkeeping run more than once.
+    x, w, b, t = make_case(torch.float32, n=700, d=16, v=5000, bias=True)
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+                        reduction="sum", label_smoothing=0.2, z_loss=1e-3, softcap=4.0)
+
+
+def test_leading_dims_int32_noncontiguous():
+    x, w, b, t = make_case(torch.float32, n=2 * 3 * 7, lead=(2, 3, 7))
+    x_nc = x.transpose(0, 1)  # (3, 2, 7, D), non-contiguous
+    t_nc = t.transpose(0, 1).to(torch.int32)
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x_nc, w, b, t_nc,
+                        reduction="none")
+    out = logitless.linear_cross_entropy(x_nc, w, t_nc, reduction="none")
+    assert out.shape == (3, 2, 7)
+    assert (out[t_nc == -100] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_all_ignored_and_empty_follow_pytorch(reduction):
+    x, w, _, t = make_case(torch.float32)
+    t_all = torch.full_like(t, -100)
+    for xx, tt in ((x, t_all), (x[:0], t[:0])):
+        xo = xx.clone().requires_grad_(True)
+        ours = logitless.linear_cross_entropy(xo, w, tt, reduction=reduction)
+        ref = F.cross_entropy(F.linear(xx, w), tt, reduction=reduction)
+        torch.testing.assert_close(ours, ref, equal_nan=True)
+        (g,) = torch.autograd.grad(ours.sum(), xo)
+        if reduction != "mean":
+            assert (g == 0).all()
+
+
+def test_custom_ignore_index_and_none():
+    x, w, b, t = make_case(torch.float32)
+    t = torch.where(t == -100, torch.full_like(t, 7), t)  # class 7 is ignored
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+                        ignore_index=7)
+    a = logitless.linear_cross_entropy(x, w, torch.where(t == 7, -100, t), ignore_index=None)
+    torch.testing.assert_close(a, F.cross_entropy(F.linear(x, w), torch.where(t == 7, -100, t)))
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch has no F.linear_cross_entropy")
+def test_drop_in_for_torch_linear_cross_entropy():
+    x, w, b, t = make_case(torch.float32, bias=True)
+    cw = torch.rand(V) + 0.5
+    for kw in (dict(), dict(reduction="sum", label_smoothing=0.1), dict(weight=cw, reduction="none")):
+        ours = logitless.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
+        theirs = F.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_only_requested_gradients():
+    x, w, b, t = make_case(torch.float32, bias=True)
+    wo = w.clone().requires_grad_(True)
+    loss = logitless.linear_cross_entropy(x, wo, t, linear_bias=b)
+    (gw,) = torch.autograd.grad(loss, [wo])
+    truth = torch.autograd.grad(F.cross_entropy(F.linear(x.double(), wo.double(), b.double()), t), [wo])[0]
+    torch.testing.assert_close(gw, truth, rtol=1e-4, atol=1e-6)
+
+
+def test_module_matches_function():
+    x, w, b, t = make_case(torch.float32, bias=True)
+    cw = torch.rand(V) + 0.5
+    mod = logitless.LinearCrossEntropyLoss(cw, label_smoothing=0.1, z_loss=1e-4, softcap=10.0)
+    a = mod(x, w, t, b)
+    f = logitless.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-4,
+                                       softcap=10.0)
+    torch.testing.assert_close(a, f)
+    assert "label_smoothing=0.1" in repr(mod)
+
+
+def test_torch_compile_fullgraph():
+    x, w, b, t = make_case(torch.float32, bias=True)
+
+    def loss_fn(x, w, b, t):
+        return logitless.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-3,
+                                              backend="torch")
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    xo, wo, bo = leaves(x, w, b)
+    xc, wc, bc = leaves(x, w, b)
+    eager = loss_fn(xo, wo, bo, t)
+    comp = compiled(xc, wc, bc, t)
+    torch.testing.assert_close(comp, eager)
+    for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
+        torch.testing.assert_close(gc, ge)
