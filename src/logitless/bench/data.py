@@ -4,9 +4,10 @@ lm:      what a trained model's last layer looks like. Classifier rows W_j ~ N(0
          Token frequencies follow Zipf's law (p(rank k) ~ 1/k^1.1) over a random permutation of the vocabulary.
          Each hidden state is a weighted sum of the classifier rows of 16 distinct "plausible next tokens" drawn
          from that Zipf law (weights falling linearly from 1 to 0.8). The overall scale is found by bisection
-         on a sample of rows so that the mean entropy of the softmax is `target_loss` nats (2.5 by default), and each target is then sampled from that softmax
-         (a calibrated model), so the expected loss is 2.5 nats too: most of each row's probability sits on a
-         handful of tokens, and frequent tokens hold most of the mass, as in a real LM.
+         on a sample of rows so that the mean entropy of the softmax is `target_loss` nats (2.5 by default),
+         and each target is then sampled from that softmax (a calibrated model), so the expected loss is 2.5
+         nats too: most of each row's probability sits on a handful of tokens, and frequent tokens hold most of
+         the mass, as in a real LM.
 uniform: the head at initialisation: hidden states ~ N(0, 1) (what RMSNorm produces), W ~ N(0, 0.02^2) (the usual
          initializer_range), uniform random targets. The softmax is near-uniform: loss ~ log V.
 """
