@@ -36,3 +36,47 @@ def grads(out: torch.Tensor, inputs, upstream: torch.Tensor | None = None):
     if upstream is None:
         upstream = torch.ones_like(out)
     return torch.autograd.grad(out, inputs, grad_outputs=upstream.to(out.dtype), allow_unused=False)
+
+
+N, D, V = 37, 45, 300  # odd sizes: no dimension is a multiple of a chunk or a tile
+
+
+def make_case(dtype, *, n=N, d=D, v=V, bias=False, ignore_frac=0.25, scale=1.0, seed=0, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * scale).to(dtype)
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    if lead is not None:
+        x, t = x.reshape(*lead, d), t.reshape(lead)
+    return x, w, b, t
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def check_against_truth(fn_ours, fn_naive, x, w, b, t, upstream=None, backend="torch", **kw):
+    """Run ours (same dtype), PyTorch (same dtype, no upcast) and float64 truth; compare value and gradients."""
+    xo, wo, bo = leaves(x, w, b)
+    ours = fn_ours(xo, wo, t, linear_bias=bo, backend=backend, **kw)
+    xt, wt, bt = leaves(x, w, b)
+    theirs = fn_naive(xt, wt, t, linear_bias=bt, upcast=False, **kw)
+    x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    truth = fn_naive(x64, w64, t, linear_bias=b64, **kw64)
+    assert ours.dtype == torch.float32 and ours.shape == truth.shape
+    assert_within_rule("loss", ours, theirs, truth)
+    if upstream is None and truth.dim() > 0:
+        upstream = torch.randn(truth.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
+    for name, go, gt, g64 in zip(
+        names,
+        grads(ours, [xo, wo, bo], upstream),
+        grads(theirs, [xt, wt, bt], upstream),
+        grads(truth, [x64, w64, b64], upstream),
+        strict=True,
+    ):
+        assert go.dtype == x.dtype
+        assert_within_rule(name, go, gt, g64)

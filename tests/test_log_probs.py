@@ -1,0 +1,92 @@
+"""linear_log_probs / linear_logsumexp on the PyTorch path against float64 ground truth (STYLE.md error rule)."""
+
+import itertools
+
+import pytest
+import torch
+
+import logitless
+from logitless import reference
+from tests.helpers import DTYPES, assert_within_rule, grads, leaves, make_case
+
+GRID = list(itertools.product((None, 4.0), (1.0, 0.6), (False, True), (False, True), DTYPES))
+
+
+def run_log_probs(x, w, b, t, *, naive=False, upcast=True, **kw):
+    xo, wo, bo = leaves(x, w, b)
+    if naive:
+        out = reference.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True, **kw)
+    else:
+        out = logitless.linear_log_probs(xo, wo, t, linear_bias=bo, return_entropy=True, backend="torch", **kw)
+    return out, [xo, wo, bo]
+
+
+@pytest.mark.parametrize("softcap,temperature,bias,ignore,dtype", GRID)
+def test_log_probs_and_entropy(softcap, temperature, bias, ignore, dtype):
+    x, w, b, t = make_case(dtype, bias=bias, ignore_frac=0.3 if ignore else 0.0, scale=3.0)
+    kw = dict(softcap=softcap, temperature=temperature)
+    (lp, ent), ins = run_log_probs(x, w, b, t, **kw)
+    (lp_t, ent_t), ins_t = run_log_probs(x, w, b, t, naive=True, upcast=False, **kw)
+    x64, w64, b64 = (None if a is None else a.double() for a in (x, w, b))
+    (lp_64, ent_64), ins_64 = run_log_probs(x64, w64, b64, t, naive=True, **kw)
+    assert lp.dtype == ent.dtype == torch.float32
+    assert_within_rule("log_probs", lp, lp_t, lp_64)
+    assert_within_rule("entropy", ent, ent_t, ent_64)
+    assert (lp[t == -100] == 0).all() and (ent[t == -100] == 0).all()
+    # RL losses backpropagate through both outputs: random upstream gradients for each.
+    gen = torch.Generator().manual_seed(3)
+    g_lp, g_ent = torch.randn(lp.shape, generator=gen), torch.randn(lp.shape, generator=gen)
+
+    def total(lp, ent):
+        return (lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
+
+    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
+    for name, go, gt, g64 in zip(names, grads(total(lp, ent), ins), grads(total(lp_t, ent_t), ins_t),
+                                 grads(total(lp_64, ent_64), ins_64), strict=True):
+        assert_within_rule(name, go, gt, g64)
+
+
+@pytest.mark.parametrize("softcap,temperature,bias,dtype", list(itertools.product(
+    (None, 4.0), (1.0, 1.7), (False, True), DTYPES)))
+def test_logsumexp(softcap, temperature, bias, dtype):
+    x, w, b, _ = make_case(dtype, bias=bias, scale=3.0)
+    kw = dict(softcap=softcap, temperature=temperature)
+    xo, wo, bo = leaves(x, w, b)
+    ours = logitless.linear_logsumexp(xo, wo, linear_bias=bo, backend="torch", **kw)
+    xt, wt, bt = leaves(x, w, b)
+    theirs = reference.naive_linear_logsumexp(xt, wt, linear_bias=bt, upcast=False, **kw)
+    x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
+    truth = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
+    assert ours.dtype == torch.float32
+    assert_within_rule("logsumexp", ours, theirs, truth)
+    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
+    for name, go, gt, g64 in zip(names, grads(ours, [xo, wo, bo], up), grads(theirs, [xt, wt, bt], up),
+                                 grads(truth, [x64, w64, b64], up), strict=True):
+        assert_within_rule(name, go, gt, g64)
+
+
+def test_log_probs_shapes_and_return_type():
+    x, w, b, t = make_case(torch.float32, n=2 * 5, lead=(2, 5))
+    lp = logitless.linear_log_probs(x, w, t)
+    assert isinstance(lp, torch.Tensor) and lp.shape == (2, 5)
+    lp2, ent = logitless.linear_log_probs(x, w, t, return_entropy=True)
+    torch.testing.assert_close(lp, lp2)
+    assert ent.shape == (2, 5)
+    assert logitless.linear_logsumexp(x, w).shape == (2, 5)
+
+
+def test_log_probs_extreme_logits_and_no_grad():
+    x, w, b, t = make_case(torch.float32, scale=3000.0, ignore_frac=0.0)
+    with torch.no_grad():
+        lp, ent = logitless.linear_log_probs(x, w, t, return_entropy=True)
+    z = (x.double() @ w.double().T).log_softmax(-1)
+    torch.testing.assert_close(lp.double(), z.gather(1, t[:, None])[:, 0], rtol=1e-5, atol=1e-2)
+    assert torch.isfinite(ent).all() and (ent >= -1e-3).all()
+
+
+def test_log_probs_leading_dims_int32():
+    x, w, b, t = make_case(torch.bfloat16, n=3 * 7, lead=(3, 7))
+    a = logitless.linear_log_probs(x, w, t.to(torch.int32))
+    r = reference.naive_linear_log_probs(x.double(), w.double(), t)
+    torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-4)

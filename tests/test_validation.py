@@ -1,0 +1,120 @@
+"""Bad input gets a ValueError/TypeError that names the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+import logitless
+
+V, D = 11, 5
+
+
+def base():
+    return torch.randn(4, D), torch.randn(V, D), torch.randint(0, V, (4,))
+
+
+LCE_CASES = [
+    # (description, kwargs-transform, exception type, message fragment)
+    ("weight not 2-D", lambda x, w, t: (x, w[0], t, {}), ValueError, "linear_weight must be 2-D"),
+    ("D mismatch", lambda x, w, t: (x[:, :3], w, t, {}), ValueError, "last dimension"),
+    ("integer input", lambda x, w, t: (x.long(), w, t, {}), TypeError, "input must have a floating dtype"),
+    ("mixed dtypes", lambda x, w, t: (x.double(), w, t, {}), TypeError, "use one dtype"),
+    ("target shape", lambda x, w, t: (x, w, t[:3], {}), ValueError, "target has shape"),
+    ("float target", lambda x, w, t: (x, w, t.float(), {}), TypeError, "int64 or int32"),
+    ("target too large", lambda x, w, t: (x, w, torch.full_like(t, V), {}), ValueError, "outside [0, 11)"),
+    ("negative target", lambda x, w, t: (x, w, torch.full_like(t, -3), {}), ValueError, "outside [0, 11)"),
+    ("reduction", lambda x, w, t: (x, w, t, {"reduction": "avg"}), ValueError, "reduction must be one of"),
+    ("backend", lambda x, w, t: (x, w, t, {"backend": "cuda"}), ValueError, "backend must be one of"),
+    ("smoothing", lambda x, w, t: (x, w, t, {"label_smoothing": 1.5}), ValueError, "label_smoothing must be in"),
+    ("z_loss", lambda x, w, t: (x, w, t, {"z_loss": -1e-4}), ValueError, "z_loss must be >= 0"),
+    ("softcap", lambda x, w, t: (x, w, t, {"softcap": 0.0}), ValueError, "softcap must be a positive"),
+    ("bias shape", lambda x, w, t: (x, w, t, {"linear_bias": torch.zeros(V + 1)}), ValueError, "linear_bias"),
+    ("class weights", lambda x, w, t: (x, w, t, {"weight": torch.ones(V - 1)}), ValueError, "class weights"),
+    ("empty vocab", lambda x, w, t: (x, w[:0], t, {}), ValueError, "vocabulary must not be empty"),
+]
+
+
+@pytest.mark.parametrize("desc,make,exc,msg", LCE_CASES, ids=[c[0] for c in LCE_CASES])
+def test_linear_cross_entropy_rejects(desc, make, exc, msg):
+    x, w, t, kw = make(*base())
+    with pytest.raises(exc, match=msg.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        logitless.linear_cross_entropy(x, w, t, **kw)
+
+
+def test_meta_device_mismatch():
+    x, w, t = base()
+    with pytest.raises(ValueError, match="input is on cpu but linear_weight is on meta"):
+        logitless.linear_cross_entropy(x, w.to("meta"), t)
+
+
+def test_ignore_index_is_accepted_out_of_range():
+    x, w, t = base()
+    t[0] = -1
+    logitless.linear_cross_entropy(x, w, t, ignore_index=-1)
+    with pytest.raises(ValueError, match="outside"):
+        logitless.linear_cross_entropy(x, w, t)
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    ({"temperature": 0.0}, ValueError, "temperature must be a positive"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be a positive"),
+    ({"softcap": -2.0}, ValueError, "softcap must be a positive"),
+    ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+])
+def test_log_probs_rejects(kw, exc, msg):
+    x, w, t = base()
+    with pytest.raises(exc, match=msg):
+        logitless.linear_log_probs(x, w, t, **kw)
+
+
+def test_logsumexp_and_cross_entropy_reject():
+    x, w, t = base()
+    with pytest.raises(ValueError, match="temperature"):
+        logitless.linear_logsumexp(x, w, temperature=-1.0)
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        logitless.cross_entropy(torch.zeros(4, V, dtype=torch.long), t)
+    with pytest.raises(ValueError, match="target has shape"):
+        logitless.cross_entropy(torch.zeros(4, V), t[:2])
+    with pytest.raises(ValueError, match="outside"):
+        logitless.cross_entropy(torch.zeros(4, V), torch.full_like(t, V))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        logitless.cross_entropy([[0.0] * V], t)
+
+
+def test_backend_selection(monkeypatch):
+    from logitless._dispatch import resolve_backend
+
+    monkeypatch.delenv("LOGITLESS_BACKEND", raising=False)
+    assert resolve_backend("auto", torch.device("cpu"), "linear_cross_entropy") == "torch"
+    assert resolve_backend("torch", torch.device("cpu"), "linear_cross_entropy") == "torch"
+    monkeypatch.setenv("LOGITLESS_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LOGITLESS_BACKEND"):
+        resolve_backend("auto", torch.device("cpu"), "linear_cross_entropy")
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
+    assert resolve_backend("auto", torch.device("cuda"), "linear_cross_entropy") == "torch"
+    # An explicit backend wins over the environment.
+    monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
+    assert resolve_backend("torch", torch.device("cpu"), "linear_cross_entropy") == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", torch.device("cpu"), "linear_cross_entropy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("torch", "auto"))
+def test_gpu_out_of_range_target_trips_device_assert(backend):
+    # A device-side assertion poisons the CUDA context, so it runs in its own process.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, logitless\n"
+        "x = torch.randn(8, 16, device='cuda'); w = torch.randn(32, 16, device='cuda')\n"
+        "t = torch.randint(0, 32, (8,), device='cuda'); t[3] = 32\n"
+        f"loss = logitless.linear_cross_entropy(x, w, t, backend={backend!r})\n"
+        "torch.cuda.synchronize()\n"
+        "print('NO ERROR')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "NO ERROR" not in out.stdout
+    assert out.returncode != 0
+    assert "outside [0, 32)" in out.stderr or "device-side assert" in out.stderr, out.stderr[-2000:]
