@@ -1,11 +1,181 @@
-"""cross_entropy on logits that already exist."""
+"""cross_entropy on logits that already exist: public function, Triton autograd.Function and its torch.library ops.
+
+With ``inplace_backward=True`` the Triton forward writes d(loss)/d(logits) over the logits in the same pass that
+computes the loss (one read and one write of the logits for forward and backward together), and the backward only
+scales that buffer by the upstream gradient, on the device and only where the upstream gradient is not exactly 1.
+"""
 
 from __future__ import annotations
+
+from typing import Literal, NamedTuple, overload
 
 import torch
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy(..., return_lse=True)`` returns."""
+
+    loss: torch.Tensor  # float32: scalar, or the shape of target for reduction="none"
+    lse: torch.Tensor  # float32, shape of target: logsumexp of each row's (softcapped) logits; not differentiable
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library ops around the launchers, so torch.compile sees each launch as one opaque op.
+
+_OPT_ARGS = "int ignore_index, float label_smoothing, float z_loss, float? softcap"
+
+
+def _kernels():
+    from .kernels import cross_entropy as k
+
+    return k
+
+
+def _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, write_grad):
+    return _kernels().cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
+                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                        write_grad=write_grad)
+
+
+def _fwd_fake(logits, *args):
+    N = logits.shape[0]
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    return logits.new_empty(N, **f32), logits.new_empty(N, **f32), logits.new_empty(N, 2, **f32)
+
+
+_fwd_op = torch.library.custom_op(
+    "logitless::cross_entropy_fwd", mutates_args=(),
+    schema=f"(Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
+           "-> (Tensor, Tensor, Tensor)",
+)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
+    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False))
+_fwd_op.register_fake(_fwd_fake)
+
+_fwd_inplace_op = torch.library.custom_op(
+    "logitless::cross_entropy_fwd_inplace", mutates_args=("logits",),
+    schema=f"(Tensor(a!) logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
+           "-> (Tensor, Tensor, Tensor)",
+)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
+    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True))
+_fwd_inplace_op.register_fake(_fwd_fake)
+
+
+def _bwd_impl(grad, logits, target, class_w, w_sum, scale, stats, ignore_index, label_smoothing, z_loss, softcap):
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return _kernels().cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out,
+                                        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                                        softcap=softcap)
+
+
+_bwd_op = torch.library.custom_op(
+    "logitless::cross_entropy_bwd", mutates_args=(),
+    schema=f"(Tensor grad, Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, "
+           f"Tensor stats, {_OPT_ARGS}) -> Tensor",
+)(_bwd_impl)
+_bwd_op.register_fake(lambda grad, logits, *args: torch.empty_like(logits, memory_format=torch.contiguous_format))
+
+
+def _scale_impl(buf, grad):
+    _kernels().scale_rows_(buf, grad)
+
+
+_scale_op = torch.library.custom_op(
+    "logitless::cross_entropy_scale_", mutates_args=("buf",), schema="(Tensor(a!) buf, Tensor grad) -> ()",
+)(_scale_impl)
+_scale_op.register_fake(lambda buf, grad: None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autograd
+
+
+class _TritonCrossEntropy(torch.autograd.Function):
+    """(N, V) logits -> (reduced loss, per-row lse). In place, the forward leaves the gradient of the reduced loss
+    (upstream 1) in the logits buffer and the backward scales it; otherwise the backward recomputes it."""
+
+    @staticmethod
+    def forward(ctx, logits, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap, inplace):
+        valid = target != ignore_index
+        w_sum = class_w.sum() if class_w is not None and label_smoothing > 0.0 else None
+        denom = scale = None
+        if reduction == "mean":
+            if class_w is None:
+                denom = valid.sum(dtype=torch.float32)
+            else:
+                denom = (class_w[torch.where(valid, target, 0)] * valid).sum()
+            scale = denom.reciprocal()  # inf when every row is ignored; the kernels never multiply by it then
+        opts = (ignore_index, float(label_smoothing), float(z_loss), softcap)
+        write = inplace and ctx.needs_input_grad[0]
+        op = _fwd_inplace_op if write else _fwd_op
+        loss_rows, lse, stats = op(logits, target, class_w, w_sum, scale, *opts)
+        if reduction == "none":
+            loss = loss_rows
+        else:
+            loss = loss_rows.sum()
+            if denom is not None:
+                loss = loss / denom
+        ctx.inplace = write
+        ctx.reduction = reduction
+        ctx.opts = opts
+        if write:
+            ctx.save_for_backward(logits)
+        else:
+            ctx.save_for_backward(logits, target, class_w, w_sum, scale, stats)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 9
+        grad_loss = grad_loss.float()
+        if ctx.reduction == "none":
+            grad_loss = grad_loss.contiguous()  # an expanded upstream (from .sum()) has stride 0
+        if ctx.inplace:
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
+                                   "logits and consumed by an earlier backward; it can run only once")
+            ctx.consumed = True
+            (buf,) = ctx.saved_tensors
+            _scale_op(buf, grad_loss)
+            return buf, None, None, None, None, None, None, None, None
+        logits, target, class_w, w_sum, scale, stats = ctx.saved_tensors
+        dlogits = _bwd_op(grad_loss, logits, target, class_w, w_sum, scale, stats, *ctx.opts)
+        return dlogits, None, None, None, None, None, None, None, None
+
+
+def _cross_entropy_triton(logits2d, target, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                          inplace):
+    if logits2d.dtype not in _validate.KERNEL_DTYPES:
+        raise TypeError(f"cross_entropy: the Triton kernels take float32, bfloat16 or float16 logits, got "
+                        f"{logits2d.dtype}; use backend='torch'")
+    if logits2d.stride(1) != 1:
+        logits2d = logits2d.contiguous()  # then inplace_backward overwrites this copy, not the caller's tensor
+    class_w = None if weight is None else weight.to(torch.float32).contiguous()
+    return _TritonCrossEntropy.apply(logits2d, target.contiguous(), class_w, reduction, ignore_index,
+                                     float(label_smoothing), float(z_loss),
+                                     None if softcap is None else float(softcap), bool(inplace))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public function
+
+
+@overload
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.Tensor | None = ...,
+                  reduction: str = ..., ignore_index: int = ..., label_smoothing: float = ..., z_loss: float = ...,
+                  softcap: float | None = ..., inplace_backward: bool = ..., return_lse: Literal[False] = ...,
+                  backend: str = ...) -> torch.Tensor: ...
+
+
+@overload
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.Tensor | None = ...,
+                  reduction: str = ..., ignore_index: int = ..., label_smoothing: float = ..., z_loss: float = ...,
+                  softcap: float | None = ..., inplace_backward: bool = ..., return_lse: Literal[True],
+                  backend: str = ...) -> CrossEntropyOutput: ...
 
 
 def cross_entropy(
@@ -18,15 +188,53 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    inplace_backward: bool = False,
+    return_lse: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | CrossEntropyOutput:
     """``F.cross_entropy`` on (..., V) logits in float32 math, with the z-loss and softcap options of
-    :func:`logitless.linear_cross_entropy`. Returns a float32 scalar, or per-token losses for ``reduction="none"``."""
+    :func:`logitless.linear_cross_entropy`.
+
+    Args:
+        logits: (..., V) float32, bfloat16 or float16 (float64 on the PyTorch path).
+        target: (...) int64 or int32 class indices in [0, V), or ``ignore_index``.
+        weight, reduction, ignore_index, label_smoothing: as in ``F.cross_entropy``; "mean" divides by the number
+            (or the summed class weights) of non-ignored tokens.
+        z_loss: coefficient of ``logsumexp(z)**2`` added to each non-ignored token's loss.
+        softcap: the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2), or None.
+        inplace_backward: **the logits are overwritten.** The gradient w.r.t. the logits is written over the logits
+            buffer (by the forward on the Triton path, by the backward on the PyTorch path) instead of a new N x V
+            tensor, and returned as that gradient: after the call the logits hold no logits any more. Only when the
+            logits require grad; backward can then run once. Reading the logits afterwards, or an earlier op that
+            saved them for its own backward, sees the gradient (autograd raises in the second case, as the version
+            counter is bumped).
+        return_lse: also return the per-row log-sum-exp (float32, shape of ``target``, not differentiable).
+        backend: "auto" (Triton on CUDA when available, else PyTorch; ``$LOGITLESS_BACKEND`` overrides),
+            "triton" or "torch".
+
+    Returns:
+        The float32 loss (a scalar, or the shape of ``target`` for ``reduction="none"``), or
+        ``CrossEntropyOutput(loss, lse)`` when ``return_lse=True``.
+    """
     ignore_index = -100 if ignore_index is None else ignore_index
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
+    for name, flag in (("inplace_backward", inplace_backward), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)
     weight = _validate.check_class_weight(weight, logits2d.shape[1], logits.device)
-    resolve_backend(backend, logits.device, "cross_entropy")
-    return reference.cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing,
-                                         z_loss, softcap)
+    chosen = resolve_backend(backend, logits.device, "cross_entropy")
+    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
+        chosen = "torch"  # float64 has no kernels
+    if chosen == "torch":
+        loss, lse = reference.cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index,
+                                                  label_smoothing, z_loss, softcap, return_lse=True,
+                                                  inplace_backward=inplace_backward)
+    else:
+        loss, lse = _cross_entropy_triton(logits2d, t, weight, reduction, ignore_index, label_smoothing, z_loss,
+                                          softcap, inplace_backward)
+        lse = lse.reshape(lead_shape)
+        if reduction == "none":
+            loss = loss.reshape(lead_shape)
+    return CrossEntropyOutput(loss, lse) if return_lse else loss

@@ -363,8 +363,11 @@ class _LinearLogSumExp(torch.autograd.Function):
 
 
 class _CrossEntropy(torch.autograd.Function):
+    """With `inplace`, the backward writes the gradient over the saved logits chunk by chunk (each chunk is read
+    before it is overwritten), so no second N x V buffer is allocated; it can then run only once."""
+
     @staticmethod
-    def forward(ctx, logits, target, class_w, ignore_index, label_smoothing, z_loss, softcap):
+    def forward(ctx, logits, target, class_w, ignore_index, label_smoothing, z_loss, softcap, inplace=False):
         n, V = logits.shape
         acc = _acc(logits.dtype)
         chunk = lambda i0, i1, v0, v1: _transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
@@ -375,17 +378,23 @@ class _CrossEntropy(torch.autograd.Function):
         lse = m + logs
         ctx.save_for_backward(logits, target, class_w, m, logs)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.inplace = bool(inplace)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
+        if ctx.inplace:
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
+                                   "logits by an earlier backward; it can run only once")
+            ctx.consumed = True
         logits, target, class_w, m, logs = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
         A, B, C, E = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
-        grad = torch.empty_like(logits)
+        grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in _chunks(n, _token_chunk(V)):
             sl = slice(i0, i1)
             for v0, v1 in _chunks(V, _VOCAB_CHUNK):
@@ -393,7 +402,7 @@ class _CrossEntropy(torch.autograd.Function):
                 dz = _dz_chunk(z, m[sl], logs[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl],
                                v0, v1, None if class_w is None else class_w[v0:v1])
                 grad[sl, v0:v1] = _chain_transform(dz, z, softcap, 1.0)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -460,25 +469,26 @@ def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, te
 
 
 def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
-                        softcap, return_lse=False):
+                        softcap, return_lse=False, inplace_backward=False):
     class_w = _class_weight_acc(weight, logits2d.dtype)
     per_token, lse = _CrossEntropy.apply(logits2d, target, class_w, ignore_index, float(label_smoothing),
-                                         float(z_loss), None if softcap is None else float(softcap))
+                                         float(z_loss), None if softcap is None else float(softcap),
+                                         bool(inplace_backward))
     valid, w_t, _ = ce_row_terms(target, class_w, ignore_index, label_smoothing, logits2d.shape[1], per_token.dtype)
     loss = reduce_loss(per_token, valid, w_t, reduction, lead_shape)
     return (loss, lse.reshape(lead_shape)) if return_lse else loss
 
 
 def cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-                  z_loss=0.0, softcap=None):
-    """Chunked PyTorch twin of :func:`logitless.cross_entropy`."""
+                  z_loss=0.0, softcap=None, inplace_backward=False, return_lse=False):
+    """Chunked PyTorch twin of :func:`logitless.cross_entropy` (`return_lse` gives a plain (loss, lse) tuple)."""
     ignore_index = -100 if ignore_index is None else ignore_index
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)
     weight = _validate.check_class_weight(weight, logits2d.shape[1], logits.device)
     return cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
-                               softcap)
+                               softcap, return_lse=return_lse, inplace_backward=inplace_backward)
 
 
 # ---------------------------------------------------------------------------------------------------------------

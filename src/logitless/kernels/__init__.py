@@ -2,3 +2,5 @@
 
 Importing this package registers, with the dispatcher, every op whose kernels import cleanly.
 """
+
+from . import cross_entropy  # noqa: F401

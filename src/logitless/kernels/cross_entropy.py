@@ -1,0 +1,481 @@
+"""Triton kernels for cross-entropy on logits that already exist, and their launchers.
+
+The logits are cut into tiles of BLOCK_N rows x BLOCK_V columns; a row longer than one tile is spread over K tiles,
+each handled by its own program, so small batches still fill the GPU. Every tile computes its partial statistics
+(row max m, sum of exp(z - m), and for label smoothing sum w (z - m) and sum w); the last of a row block's K programs
+to finish (an atomic counter) merges them into the loss and the log-sum-exp, so there is no second launch.
+
+With WRITE_GRAD (``inplace_backward``) the forward also writes d(loss)/d(logits) over the logits in the same launch:
+each program keeps exp(z - m) of its tile in registers, waits until the merge of its row block is published (the
+last program adds one more to the counter), and writes the gradient. The logits are read once and written once.
+Waiting is safe because programs are numbered by an atomic ticket: the tiles of a row block are taken by programs
+that are already running, so only the block holding the newest ticket can be incomplete, and the kernel needs room
+for K programs at once (the launcher keeps K <= the number of SMs, else it falls back to two launches).
+
+The Triton interpreter runs programs one after another, so there the in-place gradient is written by a second
+launch of the backward kernel, whose math (``_grad_tile``) is the one the fused path uses.
+
+Notation per row (docs/cross_entropy.md): lse = M + log S, p_j = exp(z_j - lse), and
+  dL/dz_j = p_j A - C [j == t] - E w_j,   C = g (1 - eps) w_t,  A = C + g (eps / V) W + 2 g z_loss lse,  E = g eps / V
+with g the upstream gradient (0 on ignored rows), w the class weights (1 without), W their sum; softcap multiplies
+by 1 - tanh^2. The loss is computed as (M - z_t) + log S, not lse - z_t, so huge logits lose no precision.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _dispatch
+
+_dispatch.register_triton_op("cross_entropy")
+
+LOG2E = 1.4426950408889634
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _tanh(y, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return tl.extra.cuda.libdevice.tanh(y)
+    else:
+        # The interpreter has no libdevice: Lambert's continued fraction below 0.6 (no cancellation near 0), the
+        # exponential form above; within 3 ulp of float64.
+        a = tl.abs(y)
+        y2 = y * y
+        cf = 13.0 + y2 / 15.0
+        cf = 11.0 + y2 / cf
+        cf = 9.0 + y2 / cf
+        cf = 7.0 + y2 / cf
+        cf = 5.0 + y2 / cf
+        cf = 3.0 + y2 / cf
+        small = y / (1.0 + y2 / cf)
+        e = tl.exp(-2.0 * a)
+        big = (1.0 - e) / (1.0 + e)
+        big = tl.where(y < 0, -big, big)
+        return tl.where(a < 0.6, small, big)
+
+
+@triton.jit
+def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
+               HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
+    Rows past N read 0 (finite), so no NaN appears in them; they are never stored."""
+    x = tl.load(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
+    if HAS_SOFTCAP:
+        th = _tanh(x / softcap, USE_LIBDEVICE)
+        z = softcap * th
+    else:
+        th = x
+        z = x
+    z = tl.where(col_mask[None, :], z, float("-inf"))
+    return z, th
+
+
+@triton.jit
+def _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT: tl.constexpr):
+    """Per row: target (-1 where ignored or past N), valid mask, class weight of the target (0 where ignored)."""
+    t = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = (t != ignore_index) & row_mask
+    t = tl.where(valid, t, -1)
+    if HAS_WEIGHT:
+        w_t = tl.load(class_w_ptr + tl.where(valid, t, 0), mask=valid, other=0.0).to(tl.float32)
+    else:
+        w_t = valid.to(tl.float32)
+    return t, valid, w_t
+
+
+@triton.jit
+def _row_coef(g, lse, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """(A, C, E) of dL/dz_j = p_j A - C [j == t] - E w_j; g is 0 on ignored rows."""
+    C = g * (1.0 - eps) * w_t
+    A = C
+    E = g * 0.0
+    if HAS_SMOOTHING:
+        E = g * (eps / V)
+        A += E * w_sum
+    if HAS_ZLOSS:
+        A += g * (2.0 * z_loss) * lse
+    return A, C, E
+
+
+@triton.jit
+def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
+               HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dL/d(raw logits) of a tile from p_j A (already multiplied), in float32: [BLOCK_N, BLOCK_V]."""
+    dz = p_scaled - tl.where(cols[None, :] == t[:, None], C[:, None], 0.0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dz -= E[:, None] * w[None, :]
+        else:
+            dz -= E[:, None]
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - th * th)
+    return dz
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    # tensors
+    logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr,
+    loss_ptr, lse_ptr, stats_ptr, zt_ptr, part_ptr, count_ptr, ticket_ptr,
+    # sizes and strides
+    N, V, K, stride_row,
+    # options
+    ignore_index, eps, z_loss, softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):
+    NSTAT: tl.constexpr = 4 if HAS_SMOOTHING else 2
+    if SPLIT:
+        # Tickets follow the order in which programs actually start (see the module docstring).
+        pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+    rb = pid // K
+    kt = pid % K
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = (kt * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+    col_mask = cols < V
+
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                       USE_LIBDEVICE)
+    m = tl.max(z, axis=1)  # [BLOCK_N]
+    e = tl.exp2((z - m[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
+    s = tl.sum(e, axis=1)
+    t, valid, w_t = _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT)
+    hit = cols[None, :] == t[:, None]
+    zt = tl.sum(tl.where(hit, z, 0.0), axis=1)  # target logit if it lies in this tile, else 0
+    if HAS_SMOOTHING:
+        d = tl.where(col_mask[None, :], z - m[:, None], 0.0)
+        if HAS_WEIGHT:
+            w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            sw = tl.sum(d * w[None, :], axis=1)
+            W = tl.sum(w, axis=0) + 0.0 * m
+        else:
+            sw = tl.sum(d, axis=1)
+            W = tl.minimum(V - kt * BLOCK_V, BLOCK_V).to(tl.float32) + 0.0 * m
+
+    if SPLIT:
+        pbase = part_ptr + (rows64 * K + kt) * NSTAT
+        tl.store(pbase, m, mask=row_mask)
+        tl.store(pbase + 1, s, mask=row_mask)
+        if HAS_SMOOTHING:
+            tl.store(pbase + 2, sw, mask=row_mask)
+            tl.store(pbase + 3, W, mask=row_mask)
+        in_tile = valid & (t >= kt * BLOCK_V) & (t < kt * BLOCK_V + BLOCK_V)
+        tl.store(zt_ptr + rows, zt, mask=in_tile)
+        # Every thread's stores above happen before the release below (the barrier orders them within the program).
+        tl.debug_barrier()
+        prev = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel")
+        if prev == K - 1:
+            # Last program of this row block: merge the K partial statistics.
+            ks = tl.arange(0, K_POW2)
+            pmask = row_mask[:, None] & (ks < K)[None, :]
+            pk = part_ptr + (rows64[:, None] * K + ks[None, :]) * NSTAT
+            mk = tl.load(pk, mask=pmask, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_N, K_POW2]
+            sk = tl.load(pk + 1, mask=pmask, other=0.0, cache_modifier=".cg")
+            M = tl.max(mk, axis=1)
+            M = tl.where(row_mask, M, 0.0)
+            S = tl.sum(sk * tl.exp2((mk - M[:, None]) * LOG2E), axis=1)
+            logS = tl.log(tl.where(row_mask, S, 1.0))
+            zt_row = tl.load(zt_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
+            loss = (1.0 - eps) * w_t * ((M - zt_row) + logS)
+            if HAS_SMOOTHING:
+                swk = tl.load(pk + 2, mask=pmask, other=0.0, cache_modifier=".cg")
+                Wk = tl.load(pk + 3, mask=pmask, other=0.0, cache_modifier=".cg")
+                # sum_j w_j (lse - z_j), each term >= 0: no cancellation
+                smooth = tl.sum(tl.where(pmask, Wk * ((M[:, None] - mk) + logS[:, None]) - swk, 0.0), axis=1)
+                loss += (eps / V) * smooth
+            lse_row = M + logS
+            if HAS_ZLOSS:
+                loss += z_loss * lse_row * lse_row
+            tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+            tl.store(lse_ptr + rows, lse_row, mask=row_mask)
+            tl.store(stats_ptr + rows64 * 2, M, mask=row_mask)
+            tl.store(stats_ptr + rows64 * 2 + 1, logS, mask=row_mask)
+            if WRITE_GRAD:
+                tl.debug_barrier()
+                tl.atomic_add(count_ptr + rb, 1, sem="release")  # publish: the counter reaches K + 1
+        if WRITE_GRAD:
+            cnt = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
+            while cnt < K + 1:
+                cnt = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
+            M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0, cache_modifier=".cg")
+            logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg")
+    else:
+        M = tl.where(row_mask, m, 0.0)
+        logS = tl.log(tl.where(row_mask, s, 1.0))
+        loss = (1.0 - eps) * w_t * ((M - zt) + logS)
+        if HAS_SMOOTHING:
+            loss += (eps / V) * (W * logS - sw)
+        lse_row = M + logS
+        if HAS_ZLOSS:
+            loss += z_loss * lse_row * lse_row
+        tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+        tl.store(lse_ptr + rows, lse_row, mask=row_mask)
+        tl.store(stats_ptr + rows64 * 2, M, mask=row_mask)
+        tl.store(stats_ptr + rows64 * 2 + 1, logS, mask=row_mask)
+
+    if WRITE_GRAD:
+        g = tl.where(valid, 1.0, 0.0)
+        if HAS_SCALE:
+            g = tl.where(valid, tl.load(scale_ptr), 0.0)  # 1 / 0 = inf when every row is ignored: never multiplied
+        w_sum = 0.0
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w_sum = tl.load(w_sum_ptr)
+            else:
+                w_sum = V * 1.0
+        A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+        # p_j = exp(z_j - m) * exp((m - M) - log S): reuses this tile's exponentials
+        pa = e * (A * tl.exp2(((m - M) - logS) * LOG2E))[:, None]
+        dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :], dz.to(logits_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    # tensors
+    grad_ptr, logits_ptr, out_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, stats_ptr,
+    # sizes and strides
+    N, V, stride_row, stride_out_row,
+    # options
+    ignore_index, eps, z_loss, softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_GRAD: tl.constexpr, GRAD_PER_ROW: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):
+    """out = upstream * dL/d(logits) from the saved (M, log S) per row; out may be the logits buffer itself."""
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+    col_mask = cols < V
+
+    t, valid, w_t = _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT)
+    g = tl.where(valid, 1.0, 0.0)
+    if HAS_GRAD:
+        if GRAD_PER_ROW:
+            g = g * tl.load(grad_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        else:
+            g = g * tl.load(grad_ptr).to(tl.float32)
+        g = tl.where(valid, g, 0.0)
+    if HAS_SCALE:
+        g = tl.where(valid, g * tl.load(scale_ptr), 0.0)
+    M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0)
+    logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0)
+    w_sum = 0.0
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w_sum = tl.load(w_sum_ptr)
+        else:
+            w_sum = V * 1.0
+    A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                       USE_LIBDEVICE)
+    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
+    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
+                    HAS_SOFTCAP)
+    tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :], dz.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _ce_scale_kernel(
+    # tensors
+    buf_ptr, grad_ptr,
+    # sizes and strides
+    N, V, stride_row, num_tiles, tiles_v,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_PER_ROW: tl.constexpr,
+):
+    """buf *= upstream gradient, skipping (on the device) every tile whose rows all have upstream exactly 1: the
+    usual backward of an in-place forward then moves no data."""
+    if GRAD_PER_ROW:
+        g_all = 0.0
+    else:
+        g_all = tl.load(grad_ptr).to(tl.float32)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rows = (tile // tiles_v) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        rows64 = rows.to(tl.int64)
+        cols = ((tile % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+        if GRAD_PER_ROW:
+            g = tl.load(grad_ptr + rows, mask=row_mask, other=1.0).to(tl.float32)
+        else:
+            g = g_all + tl.zeros([BLOCK_N], dtype=tl.float32)
+        # g != 1 is also true for NaN, which must propagate
+        todo = tl.sum(tl.where(g != 1.0, 1, 0), axis=0)
+        if todo > 0:
+            mask = row_mask[:, None] & (cols < V)[None, :]
+            ptrs = buf_ptr + rows64[:, None] * stride_row + cols[None, :]
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (x * g[:, None]).to(buf_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration
+
+# Elements per program tile; see _config.
+TILE_ELEMS = 8192
+MIN_BLOCK_V = 1024
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_v: int
+    num_warps: int
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _config(N: int, V: int, device: torch.device, tile_elems: int | None = None) -> Config:
+    """Tile shape for (N, V): one tile of up to TILE_ELEMS elements per program; long rows are split over several
+    programs, and rows are split finer when there are too few programs to fill the device (small N)."""
+    tile = tile_elems or TILE_ELEMS
+    n_sm = num_sms(device)
+    block_v = min(triton.next_power_of_2(V), tile)
+    while block_v > MIN_BLOCK_V and N * triton.cdiv(V, block_v) < 4 * n_sm:
+        block_v //= 2
+    block_n = max(1, min(tile // block_v, triton.next_power_of_2(N)))
+    while block_n > 1 and triton.cdiv(N, block_n) * triton.cdiv(V, block_v) < 4 * n_sm:
+        block_n //= 2
+    num_warps = max(4, min(16, block_n * block_v // 1024))
+    return Config(block_n, block_v, num_warps)
+
+
+def _use_libdevice(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _flags(class_w, label_smoothing, z_loss, softcap):
+    return dict(HAS_WEIGHT=class_w is not None, HAS_SMOOTHING=label_smoothing > 0.0, HAS_ZLOSS=z_loss > 0.0,
+                HAS_SOFTCAP=softcap is not None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: int, label_smoothing: float,
+                      z_loss: float, softcap: float | None, write_grad: bool, config: Config | None = None):
+    """Per-row loss (0 on ignored rows), per-row log-sum-exp, and per-row (max, log sum exp) statistics.
+
+    logits: (N, V) float32/bfloat16/float16 with unit column stride. target: (N,) int64. class_w: (V,) float32 or
+    None; w_sum: 0-d float32 sum of class_w (needed with class weights and smoothing). scale: 0-d float32 factor of
+    the gradient of every non-ignored row (1 / denominator for reduction="mean") or None.
+    write_grad: overwrite `logits` with d(loss)/d(logits) (upstream 1, times `scale`) in the same pass.
+    Returns (loss (N,) float32, lse (N,) float32, stats (N, 2) float32).
+    """
+    assert logits.dim() == 2 and logits.stride(1) == 1
+    N, V = logits.shape
+    dev = logits.device
+    loss = torch.empty(N, device=dev, dtype=torch.float32)
+    lse = torch.empty(N, device=dev, dtype=torch.float32)
+    stats = torch.empty(N, 2, device=dev, dtype=torch.float32)
+    if N == 0:
+        return loss, lse, stats
+    cfg = config or _config(N, V, dev)
+    K = triton.cdiv(V, cfg.block_v)
+    interpret = _dispatch.interpreter_enabled() and dev.type != "cuda"
+    # Fused in-place needs the K programs of a row block resident together, and a real GPU (see module docstring).
+    fused = write_grad and not interpret and K <= num_sms(dev)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    split = K > 1
+    if split:
+        nstat = 4 if label_smoothing > 0.0 else 2
+        part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
+        zt = torch.empty(N, device=dev, dtype=torch.float32)
+        counters = torch.zeros(n_blocks + 1, device=dev, dtype=torch.int32)  # per row block, then the ticket
+        count, ticket = counters[:n_blocks], counters[n_blocks:]
+    else:
+        part = zt = count = ticket = loss
+    _ce_fwd_kernel[(n_blocks * K,)](
+        logits, target, class_w if class_w is not None else loss, w_sum if w_sum is not None else loss,
+        scale if scale is not None else loss,
+        loss, lse, stats, zt, part, count, ticket,
+        N, V, K, logits.stride(0),
+        ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, K_POW2=triton.next_power_of_2(K), SPLIT=split,
+        HAS_SCALE=scale is not None, WRITE_GRAD=fused, USE_LIBDEVICE=_use_libdevice(logits),
+        **_flags(class_w, label_smoothing, z_loss, softcap),
+        num_warps=cfg.num_warps,
+    )
+    if write_grad and not fused:
+        cross_entropy_bwd(None, logits, target, class_w, w_sum, scale, stats, logits, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, config=cfg)
+    return loss, lse, stats
+
+
+def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *, ignore_index: int,
+                      label_smoothing: float, z_loss: float, softcap: float | None, config: Config | None = None):
+    """out = grad * d(loss)/d(logits), written into `out` ((N, V), unit column stride; may be `logits` itself).
+
+    grad: upstream gradient, 0-d (scalar reductions) or (N,) (reduction="none"), or None for 1. The other arguments
+    are those of cross_entropy_fwd and its returned `stats`. Returns `out`.
+    """
+    assert out.shape == logits.shape and out.stride(1) == 1 and logits.stride(1) == 1
+    N, V = logits.shape
+    if N == 0:
+        return out
+    cfg = config or _config(N, V, logits.device)
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v))
+    _ce_bwd_kernel[grid](
+        grad if grad is not None else stats, logits, out, target,
+        class_w if class_w is not None else stats, w_sum if w_sum is not None else stats,
+        scale if scale is not None else stats, stats,
+        N, V, logits.stride(0), out.stride(0),
+        ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_GRAD=grad is not None,
+        GRAD_PER_ROW=grad is not None and grad.dim() == 1, HAS_SCALE=scale is not None,
+        USE_LIBDEVICE=_use_libdevice(logits), **_flags(class_w, label_smoothing, z_loss, softcap),
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def scale_rows_(buf, grad, config: Config | None = None):
+    """buf *= grad in place, grad 0-d or (N,) float; tiles whose upstream is exactly 1 are skipped on the device.
+    Returns `buf`."""
+    assert buf.dim() == 2 and buf.stride(1) == 1
+    N, V = buf.shape
+    if N == 0:
+        return buf
+    cfg = config or _config(N, V, buf.device)
+    tiles_v = triton.cdiv(V, cfg.block_v)
+    num_tiles = triton.cdiv(N, cfg.block_n) * tiles_v
+    # A few programs per SM, each looping over tiles: when nothing is to be scaled the launch costs microseconds.
+    grid = (min(num_tiles, 8 * num_sms(buf.device)),)
+    _ce_scale_kernel[grid](
+        buf, grad, N, V, buf.stride(0), num_tiles, tiles_v,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, GRAD_PER_ROW=grad.dim() == 1, num_warps=cfg.num_warps,
+    )
+    return buf
