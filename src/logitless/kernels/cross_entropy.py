@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .. import _dispatch
 
@@ -41,9 +42,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tanh(y, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return tl.extra.cuda.libdevice.tanh(y)
+def _tanh(y, INTERPRET: tl.constexpr):
+    if not INTERPRET:
+        return libdevice.tanh(y)
     else:
         # The interpreter has no libdevice: Lambert's continued fraction below 0.6 (no cancellation near 0), the
         # exponential form above; within 3 ulp of float64.
@@ -63,14 +64,25 @@ def _tanh(y, USE_LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 -> the output dtype, rounding to nearest even (the interpreter truncates float32 -> bfloat16)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x == x, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), x.to(tl.bfloat16))
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-               HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
     Rows past N read 0 (finite), so no NaN appears in them; they are never stored."""
     x = tl.load(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
     if HAS_SOFTCAP:
-        th = _tanh(x / softcap, USE_LIBDEVICE)
+        th = _tanh(x / softcap, INTERPRET)
         z = softcap * th
     else:
         th = x
@@ -134,10 +146,10 @@ def _ce_fwd_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, USE_TICKET: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     NSTAT: tl.constexpr = 4 if HAS_SMOOTHING else 2
-    if SPLIT:
+    if USE_TICKET:
         # Tickets follow the order in which programs actually start (see the module docstring).
         pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
     else:
@@ -151,7 +163,7 @@ def _ce_fwd_kernel(
     col_mask = cols < V
 
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                       USE_LIBDEVICE)
+                       INTERPRET)
     m = tl.max(z, axis=1)  # [BLOCK_N]
     e = tl.exp2((z - m[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
     s = tl.sum(e, axis=1)
@@ -243,8 +255,8 @@ def _ce_fwd_kernel(
         # p_j = exp(z_j - m) * exp((m - M) - log S): reuses this tile's exponentials
         pa = e * (A * tl.exp2(((m - M) - logS) * LOG2E))[:, None]
         dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
-        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :], dz.to(logits_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -258,7 +270,7 @@ def _ce_bwd_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_GRAD: tl.constexpr, GRAD_PER_ROW: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out = upstream * dL/d(logits) from the saved (M, log S) per row; out may be the logits buffer itself."""
     pid_n = tl.program_id(0).to(tl.int64)
@@ -290,12 +302,12 @@ def _ce_bwd_kernel(
     A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
 
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                       USE_LIBDEVICE)
+                       INTERPRET)
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
                     HAS_SOFTCAP)
-    tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :], dz.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
+             _cast_out(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -305,7 +317,7 @@ def _ce_scale_kernel(
     # sizes and strides
     N, V, stride_row, num_tiles, tiles_v,
     # meta-parameters
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_PER_ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_PER_ROW: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """buf *= upstream gradient, skipping (on the device) every tile whose rows all have upstream exactly 1: the
     usual backward of an in-place forward then moves no data."""
@@ -328,7 +340,7 @@ def _ce_scale_kernel(
             mask = row_mask[:, None] & (cols < V)[None, :]
             ptrs = buf_ptr + rows64[:, None] * stride_row + cols[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (x * g[:, None]).to(buf_ptr.dtype.element_ty), mask=mask)
+            tl.store(ptrs, _cast_out(x * g[:, None], buf_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,6 +349,8 @@ def _ce_scale_kernel(
 # Elements per program tile; see _config.
 TILE_ELEMS = 8192
 MIN_BLOCK_V = 1024
+# Number split tiles by an atomic ticket (start order) rather than by program id; see the module docstring.
+USE_TICKETS = True
 
 
 class Config(NamedTuple):
@@ -372,8 +386,8 @@ def _config(N: int, V: int, device: torch.device, tile_elems: int | None = None)
     return Config(block_n, block_v, num_warps)
 
 
-def _use_libdevice(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+def _interpreting(t: torch.Tensor) -> bool:
+    return t.device.type != "cuda"
 
 
 def _flags(class_w, label_smoothing, z_loss, softcap):
@@ -425,7 +439,8 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
         N, V, K, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, K_POW2=triton.next_power_of_2(K), SPLIT=split,
-        HAS_SCALE=scale is not None, WRITE_GRAD=fused, USE_LIBDEVICE=_use_libdevice(logits),
+        HAS_SCALE=scale is not None, WRITE_GRAD=fused, USE_TICKET=split and USE_TICKETS,
+        INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
@@ -456,7 +471,7 @@ def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_GRAD=grad is not None,
         GRAD_PER_ROW=grad is not None and grad.dim() == 1, HAS_SCALE=scale is not None,
-        USE_LIBDEVICE=_use_libdevice(logits), **_flags(class_w, label_smoothing, z_loss, softcap),
+        INTERPRET=_interpreting(logits), **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
     return out
@@ -476,6 +491,7 @@ def scale_rows_(buf, grad, config: Config | None = None):
     grid = (min(num_tiles, 8 * num_sms(buf.device)),)
     _ce_scale_kernel[grid](
         buf, grad, N, V, buf.stride(0), num_tiles, tiles_v,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, GRAD_PER_ROW=grad.dim() == 1, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, GRAD_PER_ROW=grad.dim() == 1,
+        INTERPRET=_interpreting(buf), num_warps=cfg.num_warps,
     )
     return buf

@@ -1,0 +1,212 @@
+"""cross_entropy on existing logits, Triton path (the interpreter on CPU), against float64 (STYLE.md error rule).
+
+Small shapes run through the interpreter; tests marked gpu run the fused in-place kernel (which the interpreter cannot
+run: it executes programs one after another) at real vocabulary sizes.
+"""
+
+import pytest
+import torch
+
+import logitless
+from logitless import reference
+from logitless.cross_entropy import CrossEntropyOutput
+from logitless.kernels import cross_entropy as kce
+from tests.helpers import DTYPES, assert_within_rule
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 256 elements, so V = 1000 spreads over 4 programs with a ragged last one (the split path)."""
+    monkeypatch.setattr(kce, "TILE_ELEMS", 256)
+    monkeypatch.setattr(kce, "MIN_BLOCK_V", 64)
+
+
+def make(n, v, dtype, scale=3.0, ignore_frac=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, v, generator=g) * scale).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    return z.to(DEV), t.to(DEV)
+
+
+def check(z, t, inplace=False, upstream_seed=1, **kw):
+    """Loss and d(logits) of ours (Triton), of PyTorch in z's dtype and of float64, under a random upstream."""
+    zo = z.clone().requires_grad_(True)
+    ours = logitless.cross_entropy(zo, t, backend="triton", inplace_backward=inplace, **kw)
+    zt = z.clone().requires_grad_(True)
+    theirs = reference.naive_cross_entropy(zt, t, upcast=False, **kw)
+    z64 = z.double().requires_grad_(True)
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    truth = reference.naive_cross_entropy(z64, t, **kw64)
+    assert ours.dtype == torch.float32 and ours.shape == truth.shape
+    assert_within_rule("loss", ours, theirs, truth)
+    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
+    up = up.to(DEV)
+    (go,) = torch.autograd.grad(ours, zo, up.float())
+    (gt,) = torch.autograd.grad(theirs, zt, up.to(theirs.dtype))
+    (g64,) = torch.autograd.grad(truth, z64, up)
+    assert go.dtype == z.dtype
+    assert_within_rule("d_logits", go, gt, g64)
+    if inplace:
+        assert go.data_ptr() == zo.data_ptr()  # the gradient lives in the logits buffer
+    return go
+
+
+# (reduction, label_smoothing, z_loss, softcap, class weights, dtype, inplace): a covering set, not the product;
+# every option appears with and without the split path, in place and not, in each dtype.
+GRID = [
+    ("mean", 0.0, 0.0, None, False, torch.float32, False),
+    ("mean", 0.0, 0.0, None, False, torch.bfloat16, True),
+    ("sum", 0.1, 0.0, None, False, torch.float16, True),
+    ("none", 0.0, 1e-3, None, False, torch.float32, True),
+    ("none", 0.0, 0.0, 5.0, False, torch.bfloat16, False),
+    ("mean", 0.1, 1e-3, 5.0, True, torch.float32, True),
+    ("mean", 0.2, 0.0, None, True, torch.bfloat16, False),
+    ("sum", 0.0, 1e-3, 5.0, True, torch.float16, False),
+    ("none", 0.3, 1e-3, 5.0, True, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID)
+def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w, dtype, inplace):
+    # V = 1000 over tiles of 256: four programs per row, the last one ragged; 25% ignored rows.
+    z, t = make(13, 1000, dtype)
+    cw = (torch.rand(1000, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
+    check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[::2])
+def test_whole_rows(reduction, smoothing, z_loss, softcap, class_w, dtype, inplace):
+    # V = 300 fits one tile; several rows per program (BLOCK_N > 1) with a ragged last row block.
+    z, t = make(61, 300, dtype)
+    cw = (torch.rand(300, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
+    check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(small_tiles, dtype):
+    # +-1e4 logits: the loss is computed as (max - z_t) + log(sum), so nothing cancels at that magnitude.
+    z, t = make(9, 1000, dtype, scale=1e4)
+    for inplace in (False, True):
+        check(z, t, inplace, label_smoothing=0.1, z_loss=1e-8)
+
+
+def test_all_ignored_and_empty(small_tiles):
+    z, t = make(7, 1000, torch.float32)
+    for zz, tt in ((z, torch.full_like(t, -100)), (z[:0], t[:0])):
+        for red in ("mean", "sum", "none"):
+            for inplace in (False, True):
+                zo = zz.clone().requires_grad_(True)
+                ours = logitless.cross_entropy(zo, tt, reduction=red, backend="triton", inplace_backward=inplace)
+                ref = torch.nn.functional.cross_entropy(zz, tt, reduction=red)
+                torch.testing.assert_close(ours, ref, equal_nan=True)
+                (g,) = torch.autograd.grad(ours.sum(), zo)
+                assert not g.isnan().any() and (g == 0).all()  # PyTorch's gradient is 0 there too
+
+
+def test_return_lse_both_paths(small_tiles):
+    z, t = make(2 * 5, 1000, torch.bfloat16)
+    z3, t3 = z.reshape(2, 5, 1000), t.reshape(2, 5)
+    truth = torch.logsumexp(5.0 * torch.tanh(z3.double() / 5.0), dim=-1)
+    for backend in ("triton", "torch"):
+        out = logitless.cross_entropy(z3.clone().requires_grad_(True), t3, softcap=5.0, reduction="none",
+                                      return_lse=True, backend=backend)
+        assert isinstance(out, CrossEntropyOutput)
+        loss, lse = out
+        assert loss.shape == lse.shape == (2, 5) and lse.dtype == torch.float32 and not lse.requires_grad
+        torch.testing.assert_close(lse.double(), truth, rtol=1e-6, atol=1e-5)
+
+
+def test_inplace_overwrites_and_guards():
+    z, t = make(8, 300, torch.float32)
+    for backend in ("triton", "torch"):
+        zo = z.clone().requires_grad_(True)
+        loss = logitless.cross_entropy(zo, t, inplace_backward=True, backend=backend)
+        loss.backward(retain_graph=True)
+        expected = torch.func.grad(lambda x: torch.nn.functional.cross_entropy(x, t))(z)
+        torch.testing.assert_close(zo.grad, expected)
+        torch.testing.assert_close(zo.detach(), expected)  # the logits now hold the gradient
+        with pytest.raises(RuntimeError, match="only once"):
+            loss.backward()
+        # An op that saved the logits for its own backward is caught by the version counter, not silently wrong.
+        x = z.clone().requires_grad_(True)
+        y = torch.tanh(x)  # saves its output
+        out = logitless.cross_entropy(y, t, inplace_backward=True, backend=backend)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
+def test_inplace_without_grad_leaves_logits():
+    z, t = make(8, 300, torch.bfloat16)
+    zc = z.clone()
+    logitless.cross_entropy(zc, t, inplace_backward=True, backend="triton")
+    assert torch.equal(zc, z)
+
+
+def test_upstream_scaling_skips_only_ones(small_tiles):
+    # reduction="none" in place: rows whose upstream is exactly 1 are left as the forward wrote them.
+    z, t = make(12, 1000, torch.float32, ignore_frac=0.0)
+    up = torch.ones(12, device=DEV)
+    up[3], up[7] = 2.5, 0.0
+    zo = z.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(logitless.cross_entropy(zo, t, reduction="none", inplace_backward=True,
+                                                       backend="triton"), zo, up)
+    zr = z.clone().requires_grad_(True)
+    (gr,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zr, t, reduction="none"), zr, up)
+    torch.testing.assert_close(g, gr)
+
+
+def test_every_gradient_element_written(small_tiles):
+    # The backward kernel into a NaN-poisoned buffer: every element must be overwritten.
+    z, t = make(11, 1000, torch.bfloat16)
+    loss, lse, stats = kce.cross_entropy_fwd(z, t, None, None, None, ignore_index=-100, label_smoothing=0.0,
+                                             z_loss=0.0, softcap=None, write_grad=False)
+    out = torch.full_like(z, float("nan"))
+    kce.cross_entropy_bwd(torch.ones(11, device=DEV), z, t, None, None, None, stats, out, ignore_index=-100,
+                          label_smoothing=0.0, z_loss=0.0, softcap=None)
+    assert not out.isnan().any()
+    assert not loss.isnan().any() and not lse.isnan().any()
+
+
+def test_strided_rows_and_int32_target():
+    # A row stride larger than V (a slice of a wider tensor) and int32 targets.
+    zw, t = make(10, 400, torch.float32)
+    z = zw[:, :300]
+    t = torch.where(t >= 300, t - 300, t).to(torch.int32)
+    check(z, t, label_smoothing=0.1)
+
+
+def test_bad_inputs():
+    z, t = make(4, 300, torch.float32)
+    with pytest.raises(TypeError, match="inplace_backward"):
+        logitless.cross_entropy(z, t, inplace_backward=1, backend="triton")
+    with pytest.raises(TypeError, match="return_lse"):
+        logitless.cross_entropy(z, t, return_lse="yes", backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        logitless.cross_entropy(z.double(), t, backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the fused in-place kernel at real vocabulary sizes.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,v", [(3, 128256), (200, 50257), (64, 256000), (1000, 32000)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_fused(n, v, dtype):
+    z, t = make(n, v, dtype)
+    check(z, t, inplace=True)
+    check(z, t, inplace=True, label_smoothing=0.1, z_loss=1e-4, softcap=30.0, reduction="none")
+    check(z, t, inplace=False, label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_extreme_and_repeatable():
+    z, t = make(256, 128256, torch.bfloat16, scale=1e4)
+    g1 = check(z, t, inplace=True, label_smoothing=0.1, z_loss=1e-8)
+    g2 = check(z, t, inplace=True, label_smoothing=0.1, z_loss=1e-8)
+    # The merge order is fixed, so a race (a tile reading statistics before they are published) would show up
+    # as a difference between two runs.
+    assert torch.equal(g1, g2)
