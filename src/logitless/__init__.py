@@ -1,6 +1,7 @@
 """logitless: losses and log-probabilities at the head of a language model without the N x V logits tensor."""
 
 from .cross_entropy import cross_entropy
+from .integrations.hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs, linear_logsumexp
 from .nn import CrossEntropyLoss, LinearCrossEntropyLoss
@@ -14,4 +15,6 @@ __all__ = [
     "linear_cross_entropy",
     "linear_log_probs",
     "linear_logsumexp",
+    "patch",
+    "unpatch",
 ]

@@ -1,0 +1,5 @@
+"""Integrations with training frameworks; each imports its framework lazily, only when used."""
+
+from .hf import patch, unpatch
+
+__all__ = ["patch", "unpatch"]

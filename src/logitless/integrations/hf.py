@@ -1,0 +1,375 @@
+"""Instance-level patch of Hugging Face ``transformers`` causal LMs: the training loss without the logits.
+
+``patch(model)`` puts a new ``forward`` on this one model object (never on its class, never on a global). When the
+model is in training mode and ``labels`` are given, the new forward runs the backbone, then
+``logitless.linear_cross_entropy`` on the final hidden states and the output embedding, and returns the model's usual
+output with ``logits=None``. In every other case (no labels, ``model.eval()``) it calls the original forward.
+
+The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
+  - ``labels`` are padded on the right with ``ignore_index`` and shifted by one, unless ``shift_labels`` is given;
+  - ``num_items_in_batch`` (int or tensor) switches to ``sum / num_items_in_batch``, else the mean over non-ignored
+    tokens; a tensor stays on the device (no host synchronisation);
+  - ``logits_to_keep`` (``num_logits_to_keep`` before transformers 4.50) slices the hidden states as the model does;
+  - logit transforms declared in the config and applied by the model's forward are applied too: the final softcap
+    (Gemma 2/3: ``final_logit_softcapping``) and a constant logit scale (Cohere, Granite, FalconH1, MiniCPM3);
+  - tied embeddings work unchanged (the head's weight is the embedding's parameter).
+The backbone and the head are found generically (``model.base_model`` or ``model.get_decoder()``, and
+``model.get_output_embeddings()``), and models whose forward does something this cannot reproduce are refused at
+``patch`` time with an error that says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _validate
+from .._dispatch import BACKENDS
+from ..linear_cross_entropy import linear_cross_entropy
+
+# Config attributes the forwards of transformers' causal LMs apply to the logits; each is used only when the
+# model's forward source mentions it (or when that source cannot be read).
+_SOFTCAP_ATTRS = ("final_logit_softcapping", "logits_soft_cap")
+# (attribute, divides): logits * value, or logits / value when `divides`.
+_SCALE_ATTRS = (("logit_scale", False), ("lm_head_multiplier", False), ("logits_scaling", True))
+# Keywords of the causal-LM forward that belong to the loss, never to the backbone.
+_LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def _refusals(config, src: str | None):
+    """(reason, applies) for the loss or logit features this integration does not reproduce."""
+
+    def mentioned(name):
+        return src is None or name in src
+
+    z = getattr(config, "z_loss_coefficient", None)
+    yield ("its forward adds a z-loss averaged over all positions (config.z_loss_coefficient > 0); set it to 0 and "
+           "pass z_loss= to logitless.patch instead", mentioned("z_loss") and isinstance(z, (int, float)) and z > 0)
+    unpadded = getattr(config, "unpadded_vocab_size", None)
+    yield ("its forward drops the padded vocabulary rows (config.unpadded_vocab_size)",
+           mentioned("unpadded_vocab_size") and unpadded is not None)
+    yield ("its forward adds the router load-balancing loss (config.output_router_logits=True); set it to False or "
+           "add that loss yourself", mentioned("output_router_logits") and bool(getattr(config, "output_router_logits",
+                                                                                       False)))
+    yield ("it is an encoder-decoder model", bool(getattr(config, "is_encoder_decoder", False)))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the patched forward needs, worked out once at patch time."""
+
+    # An instance attribute `forward` the model had before patch (restored by unpatch), else None: the class's.
+    prior_forward: Any
+    signature: inspect.Signature
+    varkw: str | None
+    keep_name: str | None  # "logits_to_keep" or "num_logits_to_keep"
+    backbone_return_dict: bool
+    softcap_attr: str | None
+    scale_attrs: tuple[tuple[str, bool], ...]
+    checks_router_logits: bool
+    output_cls: type
+    options: dict
+
+
+def _forward_source(model: nn.Module) -> str | None:
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _find_backbone(model: nn.Module) -> nn.Module:
+    base = getattr(model, "base_model", model)
+    if base is model or not isinstance(base, nn.Module):
+        get_decoder = getattr(model, "get_decoder", None)
+        base = get_decoder() if callable(get_decoder) else None
+    if not isinstance(base, nn.Module) or base is model:
+        raise ValueError(
+            f"logitless.patch: cannot find the backbone of {type(model).__name__} (neither model.base_model nor "
+            "model.get_decoder() gives a submodule that returns the final hidden states)"
+        )
+    return base
+
+
+def _find_head(model: nn.Module) -> nn.Linear:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    name = type(model).__name__
+    if head is None:
+        raise ValueError(f"logitless.patch: {name}.get_output_embeddings() gives no language-model head to fuse")
+    if (not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward
+            or "forward" in vars(head)):
+        raise TypeError(
+            f"logitless.patch: the output embedding of {name} is a {type(head).__name__} whose forward is not "
+            "torch.nn.Linear's; a quantised, adapter-wrapped (LoRA on lm_head) or hook-wrapped head computes "
+            "something other than hidden @ weight.T + bias, which is all logitless can fuse"
+        )
+    if head._forward_hooks or head._forward_pre_hooks:
+        raise TypeError(
+            f"logitless.patch: the output embedding of {name} has forward hooks; logitless reads its weight without "
+            "calling it, so those hooks would not run"
+        )
+    if type(head.weight).__name__ == "DTensor":
+        raise TypeError(
+            f"logitless.patch: the output embedding of {name} holds a DTensor (tensor-parallel or unsharded-FSDP2 "
+            "head); use logitless.linear_cross_entropy with process_group= for a vocabulary-parallel head"
+        )
+    return head
+
+
+def _output_class(fn):
+    """The ModelOutput class the original forward is annotated to return, or CausalLMOutputWithPast."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    ann = inspect.signature(fn).return_annotation
+    if isinstance(ann, str):
+        ann = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), ann.strip("'\""), None)
+    if isinstance(ann, type) and issubclass(ann, ModelOutput):
+        names = {f.name for f in dataclasses.fields(ann)}
+        if {"loss", "logits"} <= names:
+            return ann
+    return CausalLMOutputWithPast
+
+
+def _make_plan(model: nn.Module, options: dict) -> _Plan:
+    cls = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(
+            f"logitless.patch expects a transformers *ForCausalLM model, got {cls} (for a PEFT model, patch "
+            "model.get_base_model())"
+        )
+    backbone = _find_backbone(model)
+    head = _find_head(model)
+    src = _forward_source(model)
+    head_name = next((n for n, m in model.named_children() if m is head), None)
+    if head_name is None or (src is not None and f"self.{head_name}(" not in src):
+        raise ValueError(
+            f"logitless.patch: {cls}'s forward does not apply its output embedding directly to the backbone's "
+            "hidden states, so the fused loss would not be the model's loss"
+        )
+    if src is not None and "loss_function" not in src and "shift_labels" not in src:
+        raise ValueError(
+            f"logitless.patch: {cls} computes its loss its own way, not with transformers' shifted causal-LM loss"
+        )
+    if getattr(model, "_loss_function", None) is not None:
+        raise ValueError(f"logitless.patch: {cls} has a custom loss_function, which the fused loss would bypass")
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # transformers < 4.46: the loss was written inline (checked through the source above)
+        LOSS_MAPPING = {}
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type in LOSS_MAPPING and loss_type != "ForCausalLM":
+        raise ValueError(f"logitless.patch: {cls} uses loss_type={loss_type!r}; only 'ForCausalLM' is supported")
+    for reason, applies in _refusals(config, src):
+        if applies:
+            raise NotImplementedError(f"logitless.patch cannot reproduce {cls}'s loss: {reason}")
+
+    def applied(attr):
+        return getattr(config, attr, None) is not None and (src is None or attr in src)
+
+    softcaps = [a for a in _SOFTCAP_ATTRS if applied(a)]
+    if len(softcaps) > 1:
+        raise NotImplementedError(f"logitless.patch: {cls} declares several logit softcaps: {softcaps}")
+
+    signature = inspect.signature(model.forward)
+    params = signature.parameters
+    if "labels" not in params:
+        raise ValueError(f"logitless.patch: {cls}.forward takes no `labels`, so it has no loss to fuse")
+    varkw = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    keep_name = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+    bparams = inspect.signature(backbone.forward).parameters
+    backbone_return_dict = "return_dict" in bparams or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in bparams.values()
+    )
+    return _Plan(
+        prior_forward=vars(model).get("forward"),
+        signature=signature,
+        varkw=varkw,
+        keep_name=keep_name,
+        backbone_return_dict=backbone_return_dict,
+        softcap_attr=softcaps[0] if softcaps else None,
+        scale_attrs=tuple((a, d) for a, d in _SCALE_ATTRS if applied(a)),
+        checks_router_logits=src is None or "output_router_logits" in src,
+        output_cls=_output_class(model.forward),
+        options=options,
+    )
+
+
+def _keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
+    """transformers' `logits_to_keep` slicing of (B, T, D) hidden states: int (last k; 0 keeps all), 1-D positions,
+    2-D (B, K) positions, or a 2-D boolean (B, T) mask (flattened to (num_true, D))."""
+    if isinstance(keep, torch.Tensor) and keep.dim() == 2:
+        if keep.dtype == torch.bool:
+            return hidden[keep]
+        return torch.take_along_dim(hidden, keep[..., None], dim=1)
+    if isinstance(keep, int):
+        return hidden if keep == 0 else hidden[:, -keep:, :]
+    return hidden[:, keep, :]
+
+
+def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
+    if plan.varkw is not None:
+        call.update(call.pop(plan.varkw, {}))
+    labels = call.pop("labels")
+    keep = call.pop(plan.keep_name, 0) if plan.keep_name else 0
+    return_dict = call.pop("return_dict", None)
+    num_items = call.pop("num_items_in_batch", None)
+    shift_labels = call.pop("shift_labels", None)
+    ignore_index = call.pop("ignore_index", plan.options["ignore_index"])
+    config = model.config
+    if plan.checks_router_logits and call.get("output_router_logits", getattr(config, "output_router_logits", False)):
+        raise NotImplementedError(
+            f"logitless: {type(model).__name__} was asked for output_router_logits=True, whose load-balancing loss "
+            "the fused forward does not add; call it without, or unpatch the model"
+        )
+
+    backbone = _find_backbone(model)
+    if plan.backbone_return_dict:
+        call["return_dict"] = True
+    out = backbone(**call)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    hidden = _keep_positions(hidden, keep)
+
+    if shift_labels is None:
+        # Position i predicts token i + 1; the last position predicts nothing.
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.to(hidden.device).reshape(-1)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if x.shape[0] != target.shape[0]:
+        raise ValueError(
+            f"logitless: the model keeps {x.shape[0]} positions (logits_to_keep={keep!r}) but the labels give "
+            f"{target.shape[0]} targets; pass shift_labels with one target per kept position"
+        )
+
+    head = _find_head(model)
+    weight, bias = head.weight, head.bias
+    for attr, divides in plan.scale_attrs:
+        value = float(getattr(config, attr))
+        scale = 1.0 / value if divides else value
+        # A constant logit scale is a scale of the hidden states (and the bias): no V-sized temporary.
+        x = x * scale
+        bias = bias * scale if bias is not None else None
+    softcap = getattr(config, plan.softcap_attr) if plan.softcap_attr else None
+
+    lce = functools.partial(
+        linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
+        softcap=softcap, label_smoothing=plan.options["label_smoothing"], z_loss=plan.options["z_loss"],
+        backend=plan.options["backend"],
+    )
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # What nn.Linear does under autocast: run the head in the autocast dtype. The loss math stays float32.
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            loss = lce(x, weight, target, linear_bias=bias)
+    else:
+        loss = lce(x, weight, target, linear_bias=bias)
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+
+    passed = {
+        f.name: getattr(out, f.name, None)
+        for f in dataclasses.fields(plan.output_cls)
+        if f.name not in ("loss", "logits") and not isinstance(out, tuple)
+    }
+    result = plan.output_cls(loss=loss, logits=None, **passed)
+    if return_dict is None:
+        return_dict = getattr(config, "return_dict", True)
+    return result if return_dict else result.to_tuple()
+
+
+def _patched_forward(model: nn.Module, plan: _Plan, *args, **kwargs):
+    if model.training:
+        call = dict(plan.signature.bind_partial(*args, **kwargs).arguments)
+        if call.get("labels") is not None:
+            return _fused_forward(model, plan, call)
+    if plan.prior_forward is not None:
+        return plan.prior_forward(*args, **kwargs)
+    return type(model).forward(model, *args, **kwargs)
+
+
+def _installed_plan(model: nn.Module) -> _Plan | None:
+    fwd = vars(model).get("forward")
+    if isinstance(fwd, functools.partial) and fwd.func is _patched_forward:
+        return fwd.args[1]
+    return None
+
+
+def patch(
+    model: nn.Module,
+    *,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> nn.Module:
+    """Make this causal-LM instance compute its training loss with ``linear_cross_entropy``, never building logits.
+
+    Only ``model`` changes: its ``forward`` attribute is replaced; its class, other instances and PyTorch's
+    functions stay as they are. In training mode (``model.train()``) with ``labels``, the forward returns the
+    model's usual output class with the loss of transformers' ``ForCausalLMLoss`` (label shift, ``shift_labels``,
+    ``num_items_in_batch``, ``logits_to_keep``, the config's logit softcap or scale) and ``logits=None``; otherwise
+    it calls the original forward. Patching a patched model replaces its options.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (or ``*LMHeadModel``) whose head is a plain ``nn.Linear``.
+        z_loss: coefficient of ``logsumexp(z)**2`` added to each non-ignored token's loss (0 keeps the stock loss).
+        label_smoothing: in [0, 1] (0 keeps the stock loss); use it instead of the Trainer's
+            ``label_smoothing_factor``, which takes the labels away from the model.
+        ignore_index: label value that is ignored, also used to pad the shifted labels; a forward call's own
+            ``ignore_index=`` keyword wins, as in transformers.
+        backend: "auto", "triton" or "torch", as in ``linear_cross_entropy``.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError / ValueError / NotImplementedError naming what about the model or an option is not supported.
+    """
+    _validate.check_options(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"logitless.patch expects a torch.nn.Module, got {type(model).__name__}")
+    if _installed_plan(model) is not None:
+        unpatch(model)
+    options = dict(z_loss=float(z_loss), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
+                   backend=backend)
+    plan = _make_plan(model, options)
+    # A partial rather than a closure or a bound method: copy.deepcopy (TRL's reference model, EMA copies) then gives
+    # the copy a forward bound to the copy and its own plan.
+    forward = functools.partial(_patched_forward, model, plan)
+    # Same name, doc and signature as the original: the Trainer reads the signature (loss kwargs, dataset columns).
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(forward, attr, getattr(type(model).forward, attr, None))
+    forward.__signature__ = plan.signature
+    model.forward = forward
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch` on this instance: its ``forward`` is the one it had before. Returns ``model``."""
+    plan = _installed_plan(model)
+    if plan is None:
+        raise ValueError(
+            f"logitless.unpatch: this {type(model).__name__} is not patched (or its forward was wrapped again after "
+            "logitless.patch; undo that wrapper first)"
+        )
+    if plan.prior_forward is not None:
+        model.forward = plan.prior_forward
+    else:
+        del model.forward
+    return model

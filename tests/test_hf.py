@@ -1,0 +1,349 @@
+"""logitless.patch on tiny, randomly initialised transformers causal LMs: same loss and gradients as the stock model.
+
+Each comparison runs three copies of one model in training mode: float64 stock (the truth), float32 stock (PyTorch's
+own error) and float32 patched (ours), and applies the error rule to the loss and every parameter's gradient.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import logitless  # noqa: E402
+from logitless import reference  # noqa: E402
+from logitless.integrations import hf  # noqa: E402
+from tests.helpers import assert_within_rule  # noqa: E402
+
+V = 97  # odd vocabulary
+B, T = 3, 11
+NO_DROPOUT = dict(attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+LLAMA_LIKE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# name -> (model class, config class, config kwargs); one line of reason each.
+MODELS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA_LIKE),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(LLAMA_LIKE, sliding_window=6)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(LLAMA_LIKE, attention_dropout=0.0)),  # q/k/v biases
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", LLAMA_LIKE),  # q/k norms
+    # Softcap 2 on logits of std ~1: far from the identity, so dropping it fails the test.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(LLAMA_LIKE, final_logit_softcapping=2.0,
+                                                        query_pre_attn_scalar=8, sliding_window=6)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(LLAMA_LIKE, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "phi": ("PhiForCausalLM", "PhiConfig", dict(LLAMA_LIKE, **NO_DROPOUT)),  # lm_head with a bias
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                   initializer_range=0.2, attn_pdrop=0.0, resid_pdrop=0.0,
+                                                   embd_pdrop=0.0)),  # tied head
+    "cohere": ("CohereForCausalLM", "CohereConfig", dict(LLAMA_LIKE, logit_scale=0.5)),  # logits * scale, tied
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(LLAMA_LIKE, logits_scaling=4.0)),  # logits / scale
+    # MoE with the router loss off; eager experts because the grouped matmul has no float64.
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
+                                                            experts_implementation="eager")),
+}
+
+
+@functools.cache
+def _base(name):
+    model_cls, config_cls, kwargs = MODELS[name]
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    head = model.get_output_embeddings()
+    if head.bias is not None:
+        with torch.no_grad():
+            head.bias.normal_(0.0, 1.0)  # the init zeroes it, which would hide a dropped bias
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.float().train()
+
+
+def model_copy(name, dtype=torch.float32, patched=False, **options):
+    model = copy.deepcopy(_base(name)).to(dtype)
+    return logitless.patch(model, **options) if patched else model
+
+
+def batch(seed=0, padded=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # prompt tokens
+    mask = torch.ones(B, T, dtype=torch.long)
+    if padded:
+        labels[2, -3:] = -100  # right padding
+        mask[2, -3:] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def shift_targets(n_rows, n_cols, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, V, (n_rows, n_cols), generator=g)
+    t[torch.rand(n_rows, n_cols, generator=g) < 0.3] = -100
+    return t
+
+
+def run(model, kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def compare(name, kwargs, dtype=torch.float32, truth_kwargs=None, stock_kwargs=None, **options):
+    truth, g_truth = run(model_copy(name, torch.float64), truth_kwargs or kwargs)
+    stock, g_stock = run(model_copy(name, dtype), stock_kwargs or kwargs)
+    ours, g_ours = run(model_copy(name, dtype, patched=True, **options), kwargs)
+    assert ours.logits is None and stock.logits is not None
+    assert type(ours) is type(stock)
+    assert ours.loss.dtype == stock.loss.dtype == torch.float32
+    assert_within_rule(f"{name} loss", ours.loss, stock.loss, truth.loss)
+    assert g_ours.keys() == g_truth.keys()
+    for pname in g_truth:
+        assert_within_rule(f"{name} grad {pname}", g_ours[pname], g_stock[pname], g_truth[pname])
+    return ours, stock
+
+
+def case_kwargs(case):
+    kw = batch()
+    if case == "num_items_tensor":
+        # Gradient accumulation: the count covers more tokens than this micro-batch holds.
+        kw["num_items_in_batch"] = (kw["labels"][:, 1:] != -100).sum() * 2 + 3
+    elif case == "num_items_int":
+        kw["num_items_in_batch"] = 41
+    elif case == "shift_labels":
+        kw["shift_labels"] = shift_targets(B, T)
+    elif case == "keep_int":
+        kw["logits_to_keep"] = 5
+        kw["shift_labels"] = shift_targets(B, 5)
+    elif case == "keep_positions":
+        kw["logits_to_keep"] = torch.tensor([0, 4, 7, 10])
+        kw["shift_labels"] = shift_targets(B, 4)
+    return kw
+
+
+CASES = ("padded", "num_items_tensor", "num_items_int", "shift_labels", "keep_int", "keep_positions")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_matches_stock(name, case):
+    compare(name, case_kwargs(case))
+
+
+def test_tied_and_biased_heads_are_what_the_grid_covers():
+    # The grid's gpt2 and cohere cases test a tied head, phi a head with a bias; make sure the configs still do.
+    gpt2, cohere, phi = _base("gpt2"), _base("cohere"), _base("phi")
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert cohere.lm_head.weight is cohere.model.embed_tokens.weight
+    assert phi.lm_head.bias is not None
+
+
+def test_keep_boolean_mask():
+    # A 2-D boolean logits_to_keep keeps a different number of positions per row (packed sequences).
+    if "bool" not in (transformers.modeling_utils.slice_logits_to_keep.__doc__ or ""):
+        pytest.skip("this transformers version has no boolean logits_to_keep")
+    keep = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.5
+    kw = dict(batch(), logits_to_keep=keep, shift_labels=shift_targets(1, int(keep.sum())).reshape(-1))
+    compare("llama", kw)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_bfloat16(name):
+    compare(name, batch(), dtype=torch.bfloat16)
+
+
+def test_cpu_autocast():
+    # float32 weights under bfloat16 autocast: the head runs in bfloat16, as nn.Linear does there.
+    kw = batch()
+    truth, g_truth = run(model_copy("llama", torch.float64), kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock, g_stock = run(model_copy("llama"), kw)
+        ours, g_ours = run(model_copy("llama", patched=True), kw)
+    assert ours.logits is None
+    assert_within_rule("loss", ours.loss, stock.loss, truth.loss)
+    for pname in g_truth:
+        assert_within_rule(pname, g_ours[pname], g_stock[pname], g_truth[pname])
+
+
+@pytest.mark.parametrize("smoothing,z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+def test_options_reach_the_loss(smoothing, z_loss):
+    # Against F.cross_entropy (+ z-loss) on the stock model's own shifted logits.
+    kw = batch()
+    target = torch.nn.functional.pad(kw["labels"], (0, 1), value=-100)[:, 1:]
+    nolabels = {k: v for k, v in kw.items() if k != "labels"}
+
+    def stock_loss(dtype):
+        logits = model_copy("llama", dtype)(**nolabels).logits
+        return reference.naive_cross_entropy(logits, target, label_smoothing=smoothing, z_loss=z_loss)
+
+    ours = model_copy("llama", patched=True, label_smoothing=smoothing, z_loss=z_loss)(**kw).loss
+    assert_within_rule("loss", ours, stock_loss(torch.float32), stock_loss(torch.float64))
+
+
+def test_ignore_index_option_and_keyword():
+    kw = batch()
+    kw["labels"] = torch.where(kw["labels"] == -100, -1, kw["labels"])
+    stock = model_copy("llama")(**kw, ignore_index=-1).loss
+    truth = model_copy("llama", torch.float64)(**kw, ignore_index=-1).loss
+    by_option = model_copy("llama", patched=True, ignore_index=-1)(**kw).loss
+    by_keyword = model_copy("llama", patched=True)(**kw, ignore_index=-1).loss
+    assert_within_rule("option", by_option, stock, truth)
+    assert_within_rule("keyword", by_keyword, stock, truth)
+
+
+def test_outputs_pass_through_and_return_dict():
+    kw = dict(batch(), output_hidden_states=True)
+    stock = model_copy("llama")(**kw)
+    ours = model_copy("llama", patched=True)(**kw)
+    assert len(ours.hidden_states) == len(stock.hidden_states) == 3
+    for a, b in zip(ours.hidden_states, stock.hidden_states, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    as_tuple = model_copy("llama", patched=True)(**kw, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], ours.loss, rtol=0, atol=0)
+
+
+def test_without_labels_or_in_eval_it_is_the_stock_forward():
+    kw = batch()
+    nolabels = {k: v for k, v in kw.items() if k != "labels"}
+    stock, ours = model_copy("gemma2"), model_copy("gemma2", patched=True)
+    torch.testing.assert_close(ours(**nolabels).logits, stock(**nolabels).logits, rtol=0, atol=0)
+    stock.eval(), ours.eval()
+    a, b = ours(**kw), stock(**kw)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
+
+
+def test_patch_is_per_instance_and_unpatch_restores():
+    cls_forward = transformers.LlamaForCausalLM.forward
+    model, other = model_copy("llama"), model_copy("llama")
+    assert logitless.patch(model) is model
+    assert transformers.LlamaForCausalLM.forward is cls_forward
+    assert "forward" not in vars(other) and other(**batch()).logits is not None
+    assert model(**batch()).logits is None
+    twin = copy.deepcopy(model)  # a deep copy is patched too, and bound to itself
+    assert twin.forward.args[0] is twin and twin(**batch()).logits is None
+    assert logitless.unpatch(model) is model
+    assert "forward" not in vars(model)
+    restored = model(**batch())
+    torch.testing.assert_close(restored.logits, other(**batch()).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not patched"):
+        logitless.unpatch(model)
+
+
+def test_patch_twice_replaces_options():
+    model = logitless.patch(model_copy("llama"), z_loss=1.0)
+    logitless.patch(model)
+    plain = model_copy("llama", patched=True)
+    torch.testing.assert_close(model(**batch()).loss, plain(**batch()).loss, rtol=0, atol=0)
+    logitless.unpatch(model)
+    assert "forward" not in vars(model)
+
+
+def test_trainer_runs_patched(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    calls = []
+    fused = hf._fused_forward
+    monkeypatch.setattr(hf, "_fused_forward", lambda *a: calls.append(1) or fused(*a))
+    data = [{k: v[i % B] for k, v in batch(seed=i // B).items()} for i in range(8)]
+    history = {}
+    for patched in (False, True):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(patched)), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=True, seed=0, disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(model=model_copy("llama", patched=patched), args=args, train_dataset=data)
+        # The patched forward keeps the signature, so the Trainer still passes num_items_in_batch.
+        assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        history[patched] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(calls) == 3 * 2
+    assert len(history[True]) == 3
+    torch.testing.assert_close(torch.tensor(history[True]), torch.tensor(history[False]), rtol=1e-5, atol=0)
+
+
+def _tiny(model_cls, config_cls, **kwargs):
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).train()
+
+
+def test_bad_options():
+    model = model_copy("llama")
+    with pytest.raises(ValueError, match="z_loss"):
+        logitless.patch(model, z_loss=-1.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        logitless.patch(model, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="backend"):
+        logitless.patch(model, backend="cuda")
+    with pytest.raises(TypeError):
+        logitless.patch(model, reduction="sum")
+    assert "forward" not in vars(model)
+
+
+def test_refuses_what_it_cannot_reproduce():
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        logitless.patch(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="backbone|head"):
+        logitless.patch(transformers.LlamaModel(transformers.LlamaConfig(**LLAMA_LIKE)))
+    model = model_copy("llama")
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.raises(TypeError, match="Sequential"):
+        logitless.patch(model)
+    model = model_copy("llama")
+    model.lm_head.register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(TypeError, match="hooks"):
+        logitless.patch(model)
+    bart = _tiny("BartForCausalLM", "BartConfig", vocab_size=V, d_model=16, decoder_layers=1, encoder_layers=1,
+                 decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=16, encoder_ffn_dim=16)
+    with pytest.raises(ValueError, match="its own way"):  # no label shift: not the causal-LM loss
+        logitless.patch(bart)
+    moe = dict(LLAMA_LIKE, num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        logitless.patch(_tiny("MixtralForCausalLM", "MixtralConfig", **moe, output_router_logits=True))
+    mixtral = logitless.patch(_tiny("MixtralForCausalLM", "MixtralConfig", **moe))
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        mixtral(**batch(), output_router_logits=True)
+    model = model_copy("llama")
+    model.loss_function = lambda *a, **k: None
+    with pytest.raises(ValueError, match="custom loss_function"):
+        logitless.patch(model)
+
+
+def test_kept_positions_must_match_the_targets():
+    model = model_copy("llama", patched=True)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(**batch(), logits_to_keep=4)
+
+
+@pytest.mark.gpu
+def test_cuda_large_vocab_matches_and_saves_memory():
+    config = transformers.LlamaConfig(**dict(LLAMA_LIKE, vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                             num_attention_heads=4, head_dim=64, max_position_embeddings=1024,
+                                             initializer_range=0.02))
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).cuda().train()
+    ids = torch.randint(3, 32000, (8, 512), device="cuda")
+    kw = dict(input_ids=ids, labels=ids)
+
+    def measured(model):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out, grads = run(model, kw)
+        torch.cuda.synchronize()
+        return out, grads, torch.cuda.max_memory_allocated() - before
+
+    truth, g_truth, _ = measured(copy.deepcopy(base).double())
+    stock, g_stock, mem_stock = measured(copy.deepcopy(base).bfloat16())
+    ours, g_ours, mem_ours = measured(logitless.patch(copy.deepcopy(base).bfloat16()))
+    assert_within_rule("loss", ours.loss, stock.loss, truth.loss)
+    for pname in g_truth:
+        assert_within_rule(pname, g_ours[pname], g_stock[pname], g_truth[pname])
+    # The stock step holds (8 * 512) x 32000 logits in bf16 plus their float32 copy and gradient: over 1 GiB.
+    assert mem_ours < mem_stock - 2 ** 29
