@@ -8,6 +8,7 @@ import torch
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
+from .linear_cross_entropy import check_kernel_dtype, head_stats
 
 
 @overload
@@ -61,7 +62,15 @@ def linear_log_probs(
         )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
-    resolve_backend(backend, input.device, "linear_log_probs")
+    chosen = resolve_backend(backend, input.device, "linear_log_probs")
+    if chosen == "triton" and check_kernel_dtype(args.x, backend):
+        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy)
+        valid = args.target != ignore_index
+        zero = torch.zeros_like(logs)
+        logp = torch.where(valid, (zt - m) - logs, zero).reshape(args.lead_shape)
+        if return_entropy:
+            return logp, torch.where(valid, ent, zero).reshape(args.lead_shape)
+        return logp
     return reference.log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
 
 
@@ -84,5 +93,8 @@ def linear_logsumexp(
                                             temperature=temperature, backend=backend, process_group=process_group)
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
-    resolve_backend(backend, input.device, "linear_logsumexp")
+    chosen = resolve_backend(backend, input.device, "linear_logsumexp")
+    if chosen == "triton" and check_kernel_dtype(args.x, backend):
+        m, logs = head_stats(args, None, softcap, 1.0 / float(temperature), False, False)[:2]
+        return (m + logs).reshape(args.lead_shape)
     return reference.logsumexp_torch(args, softcap, temperature)

@@ -1,0 +1,668 @@
+"""Triton kernels of a linear head z = x @ W.T (+ b), softcapped and temperature-scaled, never stored whole.
+
+Launchers (no autograd here). Inputs are 2-D and already validated: x (N, D) and W (V, D) of one dtype (float32,
+bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Strides are free (no copies are made).
+
+    forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy)
+        -> (m, logs, zt, sw, ent), each (N,) float32:
+           m = max_j z_j;  logs = log sum_j exp(z_j - m) (lse = m + logs, kept apart so that z - m stays exact);
+           zt = z_target;  sw = sum_j w_j (z_j - m) (w_j the class weights, or 1);  ent = entropy of softmax(z).
+           zt / sw / ent are 0 when not asked for (target None, want_smooth / want_entropy False).
+    backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db)
+        -> (dx | None, dw | None, db | None), in the dtypes of x, W and b, for the per-row float32 coefficients of
+           dL/dz_j = p_j (A + B z_j) - C [j == target] - E w_j  (B, C, E may be None: that term is absent).
+
+`target` is (N,) int64 of class indices *local to W*: a value outside [0, V) (ignore_index, or a class held by
+another vocabulary shard, the caller passing target - shard_start) contributes no target logit (zt = 0) and no
+one-hot term. No function here synchronises with the host; grids and workspaces depend on shapes only.
+
+Forward: programs own (token block x vocabulary split) and run an online log-sum-exp over their split's vocabulary
+tiles; a second small kernel merges the splits. Backward (docs/kernels.md): the vocabulary is walked in chunks; per
+chunk one kernel recomputes the logits and writes dL/dz for the chunk into a workspace, and one kernel runs both
+gradient products: dW rows of the chunk (reduction over all tokens, in registers, written once) and the float32
+dx accumulator (read-modify-write once per chunk). The workspaces are carved out of the gradient buffers before
+they are written, so the extra memory stays O(N) plus a bounded scratch; nothing uses atomics, so every gradient is
+bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _dispatch
+
+# Bytes of the one scratch buffer the backward may allocate (dL/dz of a vocabulary chunk when it cannot borrow a
+# gradient buffer, and split-K partials). Tests shrink it to force many chunks.
+SCRATCH_BYTES = 8 << 20
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _tanh(y):
+    # No tanh in the interpreter's libdevice: odd Taylor series near 0 (truncation < 1e-9 relative for |y| < 0.3),
+    # (1 - e^-2|y|) / (1 + e^-2|y|) elsewhere (no cancellation there).
+    a = tl.abs(y)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    y2 = y * y
+    p = y * (1.0 + y2 * (-0.3333333333333333 + y2 * (0.13333333333333333 + y2 * (
+        -0.05396825396825397 + y2 * (0.021869488536155203 + y2 * -0.008863235529902197)))))
+    return tl.where(a < 0.3, p, tl.where(y < 0, -big, big))
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: the interpreter's bfloat16 dot is wrong in some Triton versions; bf16 products are exact in float32.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _logits_tile(
+    x_ptr, w_ptr, row0, col0, N, col_end, D,
+    stride_xn, stride_xd, stride_wv, stride_wd,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Raw float32 logits [BLOCK_N, BLOCK_V] of rows row0.. and classes col0.. (int64 scalars); rows >= N and
+    classes >= col_end read zeros."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = (row0 + offs_n) < N
+    col_ok = (col0 + offs_v) < col_end
+    x_ptrs = x_ptr + row0 * stride_xn + (offs_n[:, None] * stride_xn + offs_k[None, :] * stride_xd)
+    w_ptrs = w_ptr + col0 * stride_wv + (offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wd)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < D - k * BLOCK_K
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _mma(xt, tl.trans(wt), acc, DOT_PRECISION, UPCAST)
+        x_ptrs += BLOCK_K * stride_xd
+        w_ptrs += BLOCK_K * stride_wd
+    return acc
+
+
+@triton.jit
+def _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp,
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr):
+    """Raw logits -> (z, zc): zc = softcap * tanh((acc + b) / softcap) (or acc + b), z = zc * inv_temp."""
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    zc = acc
+    if HAS_SOFTCAP:
+        zc = softcap * _tanh(acc / softcap)
+    z = zc
+    if HAS_TEMP:
+        z = zc * inv_temp
+    return z, zc
+
+
+@triton.jit
+def _grouped(tile, n_rows, n_cols, GROUP: tl.constexpr):
+    # Tiles of GROUP consecutive row blocks run together, so their operands are reused from L2.
+    per_group = GROUP * n_cols
+    group = tile // per_group
+    first = group * GROUP
+    size = tl.minimum(n_rows - first, GROUP)
+    r = first + (tile % per_group) % size
+    c = (tile % per_group) // size
+    return r, c
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Forward: online log-sum-exp, target logit, smoothing and entropy sums, per (token block, vocabulary split)
+
+
+@triton.jit
+def _fwd_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr,
+    m_out, s_out, zt_out, sw_out, ent_out, ws_out,
+    # sizes
+    N, V, D, tiles_per_split, n_splits,
+    # strides
+    stride_xn, stride_xd, stride_wv, stride_wd,
+    # options
+    softcap, inv_temp,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
+    row0 = pid_n.to(tl.int64) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tgt = rows
+    if HAS_TARGET:
+        tgt = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    # m starts finite so that 0 * (m_new - m) terms stay 0 on the first tile.
+    m = tl.full((BLOCK_N,), -1e30, tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    zt = tl.zeros((BLOCK_N,), tl.float32)
+    sw = tl.zeros((BLOCK_N,), tl.float32)  # sum w_j (z_j - m), kept relative to the running max
+    ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
+    wsum = 0.0  # sum of the class weights seen so far (the same for every row)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
+    for _ in range(j0, j1):
+        cols = col0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        acc = _logits_tile(x_ptr, w_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
+                           BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        z, zc = _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+        # [BLOCK_N, BLOCK_V]; classes past V hold finite values (zero weights read) and are masked below.
+        m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
+        alpha = tl.exp(m - m_new)
+        d = z - m_new[:, None]
+        e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        if HAS_ENTROPY:
+            ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
+        s = s * alpha + tl.sum(e, axis=1)
+        if HAS_TARGET:
+            zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        if HAS_SMOOTH:
+            if HAS_CLASS_WEIGHT:
+                cw = tl.load(cw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                cw = col_ok.to(tl.float32)
+            sw = sw - wsum * (m_new - m) + tl.sum(cw[None, :] * d, axis=1)
+            wsum += tl.sum(cw, axis=0)
+        m = m_new
+        col0 += BLOCK_V
+    out = split.to(tl.int64) * N + rows
+    tl.store(m_out + out, m, mask=row_ok)
+    tl.store(s_out + out, s, mask=row_ok)
+    if HAS_TARGET:
+        tl.store(zt_out + out, zt, mask=row_ok)
+    if HAS_SMOOTH:
+        tl.store(sw_out + out, sw, mask=row_ok)
+        if pid_n == 0:
+            tl.store(ws_out + split, wsum)
+    if HAS_ENTROPY:
+        tl.store(ent_out + out, ent, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    # pointers
+    m_in, s_in, zt_in, sw_in, ent_in, ws_in,
+    m_out, logs_out, zt_out, sw_out, ent_out,
+    # sizes
+    N, n_splits,
+    # meta-parameters
+    HAS_TARGET: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    big_m = tl.full((BLOCK,), -1e30, tl.float32)
+    off = rows
+    for _ in range(0, n_splits):
+        big_m = tl.maximum(big_m, tl.load(m_in + off, mask=ok, other=-1e30))
+        off += N
+    big_s = tl.zeros((BLOCK,), tl.float32)
+    zt = tl.zeros((BLOCK,), tl.float32)
+    sw = tl.zeros((BLOCK,), tl.float32)
+    ent = tl.zeros((BLOCK,), tl.float32)
+    off = rows
+    for sp in range(0, n_splits):
+        mi = tl.load(m_in + off, mask=ok, other=-1e30)
+        si = tl.load(s_in + off, mask=ok, other=0.0)
+        sc = tl.exp(mi - big_m)
+        big_s += si * sc
+        if HAS_TARGET:
+            zt += tl.load(zt_in + off, mask=ok, other=0.0)
+        if HAS_SMOOTH:
+            sw += tl.load(sw_in + off, mask=ok, other=0.0) + tl.load(ws_in + sp) * (mi - big_m)
+        if HAS_ENTROPY:
+            ent += sc * (tl.load(ent_in + off, mask=ok, other=0.0) + (mi - big_m) * si)
+        off += N
+    big_s = tl.where(ok, big_s, 1.0)
+    log_s = tl.log(big_s)
+    tl.store(m_out + rows, big_m, mask=ok)
+    tl.store(logs_out + rows, log_s, mask=ok)
+    tl.store(zt_out + rows, zt, mask=ok)
+    tl.store(sw_out + rows, sw, mask=ok)
+    if HAS_ENTROPY:
+        ent = log_s - ent / big_s
+    tl.store(ent_out + rows, ent, mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Backward, step 1 of a vocabulary chunk: dL/dz of the chunk (and the bias gradient's per-token-block sums)
+
+
+@triton.jit
+def _dz_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr,
+    dz_ptr, dbp_ptr,
+    # sizes
+    N, D, v_begin, v_end,
+    # strides
+    stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dbp,
+    # options
+    softcap, inv_temp,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
+    pid_n = pid // n_vt
+    pid_v = pid % n_vt
+    row0 = pid_n.to(tl.int64) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    lcol0 = pid_v.to(tl.int64) * BLOCK_V  # column offset inside the chunk
+    col0 = lcol0 + v_begin
+    lcols = lcol0 + tl.arange(0, BLOCK_V)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    col_ok = cols < v_end
+    acc = _logits_tile(x_ptr, w_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv, stride_wd,
+                       BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+    z, zc = _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    logs = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    p = tl.exp((z - m[:, None]) - logs[:, None])
+    if HAS_B:
+        bc = tl.load(bc_ptr + rows, mask=row_ok, other=0.0)
+        g = p * (a[:, None] + bc[:, None] * z)
+    else:
+        g = p * a[:, None]
+    if HAS_C:
+        tgt = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+        c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+        g = g - tl.where(cols[None, :] == tgt[:, None], c[:, None], 0.0)
+    if HAS_E:
+        e = tl.load(e_ptr + rows, mask=row_ok, other=0.0)
+        if HAS_CLASS_WEIGHT:
+            cw = tl.load(cw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            g = g - e[:, None] * cw[None, :]
+        else:
+            g = g - e[:, None]
+    if HAS_TEMP:
+        g = g * inv_temp
+    if HAS_SOFTCAP:
+        u = zc / softcap
+        g = g * (1.0 - u * u)
+    ok = row_ok[:, None] & col_ok[None, :]
+    g = tl.where(ok, g, 0.0)  # [BLOCK_N, BLOCK_V]
+    if STORE_DZ:
+        tl.store(dz_ptr + rows[:, None] * stride_dz + lcols[None, :], g.to(dz_ptr.dtype.element_ty), mask=ok)
+    if HAS_DB:
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(g, axis=0), mask=col_ok)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Backward, step 2 of a vocabulary chunk: dW[chunk] = dz^T @ x (all tokens) and dx_acc += dz @ W[chunk]
+
+
+@triton.jit
+def _dw_tile(
+    tile, dz_ptr, x_ptr, dw_ptr,
+    N, D, n_vrows, k_per_split, n_out_tiles,
+    stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    ks = tile // n_out_tiles  # split of the token (reduction) dimension; partials go to slice ks of dw_ptr
+    pid_m, pid_d = _grouped(tile % n_out_tiles, tl.cdiv(n_vrows, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < n_vrows
+    d_ok = offs_d < D
+    k_lo = ks.to(tl.int64) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, N)
+    a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
+    b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_dz
+        b_ptrs += BLOCK_K * stride_xn
+    out = dw_ptr + ks.to(tl.int64) * stride_dws + (offs_m[:, None] * stride_dwv + offs_d[None, :] * stride_dwd)
+    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dx_tile(
+    tile, dz_ptr, w_ptr, dx_ptr,
+    N, D, n_vrows,
+    stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_d = _grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = row0 + offs_m < N
+    d_ok = offs_d < D
+    a_ptrs = dz_ptr + row0 * stride_dz + (offs_m[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
+    out = dx_ptr + row0 * stride_dxn + (offs_m[:, None] * stride_dxn + offs_d[None, :] * stride_dxd)
+    ok = m_ok[:, None] & d_ok[None, :]
+    if ACCUMULATE:
+        acc = tl.load(out, mask=ok, other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+        k_ok = offs_k < n_vrows - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wv
+    tl.store(out, acc, mask=ok)
+
+
+@triton.jit
+def _dgrad_kernel(
+    # pointers (w_ptr points at the chunk's first row, dw_ptr at its first output row or at the split partials)
+    dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr,
+    # sizes
+    N, D, n_vrows, n_dw_tiles, k_per_split, n_dw_out_tiles,
+    # strides
+    stride_dz, stride_xn, stride_xd, stride_wv, stride_wd, stride_dwv, stride_dwd, stride_dws,
+    stride_dxn, stride_dxd,
+    # meta-parameters
+    DO_DW: tl.constexpr, DO_DX: tl.constexpr, DX_ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
+    pid = tl.program_id(0)
+    if DO_DW and DO_DX:
+        if pid < n_dw_tiles:
+            _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, N, D, n_vrows, k_per_split, n_dw_out_tiles,
+                     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+                     BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+        else:
+            _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, N, D, n_vrows,
+                     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE,
+                     BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+    elif DO_DW:
+        _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, N, D, n_vrows, k_per_split, n_dw_out_tiles,
+                 stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+                 BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+    else:
+        _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, N, D, n_vrows,
+                 stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE,
+                 BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+class Config(NamedTuple):
+    block_n: int  # forward / dz tiles: tokens
+    block_v: int  # forward / dz tiles: classes
+    block_k: int  # reduction step of the logits product
+    fwd_warps: int
+    fwd_stages: int
+    block_m: int  # gradient products: output rows
+    block_d: int  # gradient products: output columns
+    block_kg: int  # gradient products: reduction step
+    grad_warps: int
+    grad_stages: int
+    group: int
+    waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
+
+
+# Hopper-class GPUs, bf16/fp16: 128 x 128 x 64 tiles, 8 warps (notes/linear_head.md has the measurements).
+_GPU_CONFIG = Config(128, 128, 64, 8, 3, 128, 128, 64, 8, 3, 8, 8)
+_GPU_CONFIG_FP32 = Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8)
+# The interpreter: small tiles so that small test shapes still have several partial tiles in every direction.
+_INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4)
+# Tests and the GPU script may set this to try other tiles.
+CONFIG_OVERRIDE: Config | None = None
+
+
+def _config(x: torch.Tensor) -> Config:
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    if x.device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIG_FP32 if x.dtype == torch.float32 else _GPU_CONFIG
+
+
+def _dot_flags(x: torch.Tensor) -> dict:
+    # float32 inputs get true float32 products (PyTorch's default), not tf32.
+    upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
+    return dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=upcast)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _dummy(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy):
+    """Per-row (m, logs, zt, sw, ent) float32 of the head; see the module docstring."""
+    N, D = x.shape
+    V = w.shape[0]
+    f32 = dict(device=x.device, dtype=torch.float32)
+    outs = [torch.empty(N, **f32) for _ in range(5)]
+    if N == 0:
+        return tuple(outs)
+    cfg = _config(x)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    n_vtiles = triton.cdiv(V, cfg.block_v)
+    want_splits = max(1, round(cfg.waves * _num_sms(x.device) / n_blocks))
+    tiles_per_split = triton.cdiv(n_vtiles, min(n_vtiles, want_splits))
+    n_splits = triton.cdiv(n_vtiles, tiles_per_split)
+    part = torch.empty(5, n_splits, N, **f32)
+    wsum = torch.empty(n_splits, **f32)
+    has_target = target is not None
+    _fwd_kernel[(n_blocks * n_splits,)](
+        x, w, b if b is not None else _dummy(x), target if has_target else _dummy(x),
+        class_w if class_w is not None else _dummy(x),
+        part[0], part[1], part[2], part[3], part[4], wsum,
+        N, V, D, tiles_per_split, n_splits,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        float(softcap or 1.0), float(inv_temp),
+        HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
+        HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+        EVEN_K=D % cfg.block_k == 0, **_dot_flags(x),
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )
+    block = 256 if x.device.type == "cuda" else 32
+    _combine_kernel[(triton.cdiv(N, block),)](
+        part[0], part[1], part[2], part[3], part[4], wsum,
+        outs[0], outs[1], outs[2], outs[3], outs[4],
+        N, n_splits,
+        HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), BLOCK=block,
+        num_warps=4,
+    )
+    return tuple(outs)
+
+
+class _Plan(NamedTuple):
+    dz_main: torch.Tensor | None  # (N, chunk) workspace of dL/dz for the first pass
+    chunk: int  # classes per chunk in the first pass
+    dx_acc: torch.Tensor | None  # (N, D) float32 accumulator of dx
+    dw_end: int  # the first pass writes dW rows [0, dw_end); rows [dw_end, V) hold dx_acc until it is done
+    cast_dx: bool  # dx_acc is not dx itself: copy it into dx at the end
+
+
+def _round_chunk(cols: int, block: int) -> int:
+    return max(block, cols // block * block) if cols >= block else max(cols, 1)
+
+
+def _plan(x, w, dx, dw, N, V, D, cfg) -> _Plan:
+    """Where the backward's workspaces live. Nothing is allocated beyond SCRATCH_BYTES when both gradients are
+    wanted in bfloat16/float16 and V >= 2N (the usual LM head), or for float32 inputs."""
+    elt = x.element_size()
+    scratch_cols = _round_chunk(max(1, SCRATCH_BYTES // max(1, N * elt)), cfg.block_v)
+    if dx is None:  # weight (and/or bias) gradient only
+        return _Plan(None, scratch_cols, None, V, False)
+    if x.dtype == torch.float32:  # dx is float32: accumulate in place
+        return _Plan(None, scratch_cols, dx, V, False)
+    # dx (bf16/fp16) is free until the end: it holds dL/dz of a chunk of D classes.
+    chunk = _round_chunk(D, cfg.block_v)
+    dz_main = dx.view(-1)[: N * chunk].view(N, chunk) if chunk >= scratch_cols else None
+    if dz_main is None:
+        chunk = scratch_cols
+    if dw is not None and V * D >= 2 * N * D + 8:
+        # The float32 dx accumulator takes the last 2N rows' bytes of dW (16-byte aligned); those dW rows are
+        # computed after dx is final.
+        start = (V * D - 2 * N * D) // 8 * 8
+        dx_acc = dw.view(-1)[start: start + 2 * N * D].view(torch.float32).view(N, D)
+        return _Plan(dz_main, chunk, dx_acc, start // D, True)
+    return _Plan(dz_main, chunk, torch.empty(N, D, device=x.device, dtype=torch.float32), V, True)
+
+
+def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db):
+    """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring."""
+    N, D = x.shape
+    V = w.shape[0]
+    need_db = bool(need_db and b is not None)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else None
+    dw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_dw else None
+    db = torch.empty(V, device=x.device, dtype=torch.float32) if need_db else None
+    if N == 0 or D == 0:
+        for g in (dx, dw, db):
+            if g is not None:
+                g.zero_()
+        return dx, dw, None if db is None else db.to(b.dtype)
+    cfg = _config(x)
+    plan = _plan(x, w, dx, dw, N, V, D, cfg)
+    scratch = None
+    dummy = _dummy(x)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dot = _dot_flags(x)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    sms = _num_sms(x.device)
+
+    def dz_pass(v0, v1, dz, with_db):
+        store = dz is not None
+        dbp = torch.empty(n_blocks, v1 - v0, **f32) if with_db else None
+        _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.block_v),)](
+            x, w, b if b is not None else dummy, target if target is not None else dummy,
+            class_w if class_w is not None else dummy, m, logs, A,
+            B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
+            dz if store else dummy, dbp if with_db else dummy,
+            N, D, v0, v1,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
+            dbp.stride(0) if with_db else 0,
+            float(softcap or 1.0), float(inv_temp),
+            HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0,
+            HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
+            HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        )
+        if with_db:
+            torch.sum(dbp, dim=0, out=db[v0:v1])
+
+    def grad_pass(v0, v1, dz, do_dw, dx_acc, accumulate):
+        rows = v1 - v0
+        do_dx = dx_acc is not None
+        if not (do_dw or do_dx):
+            return
+        n_out = triton.cdiv(rows, cfg.block_m) * triton.cdiv(D, cfg.block_d)
+        splits, k_per_split, part = 1, N, None
+        if do_dw and not do_dx and n_out < sms:
+            # Too few dW tiles to fill the GPU: split the token reduction, float32 partials summed in order.
+            splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg),
+                                SCRATCH_BYTES // max(1, 4 * rows * D)))
+            k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_kg) * cfg.block_kg
+            splits = triton.cdiv(N, k_per_split)
+            if splits > 1:
+                part = torch.empty(splits, rows, D, **f32)
+        dw_out = part if part is not None else (dw[v0:v1] if do_dw else dummy)
+        n_dw_tiles = n_out * splits if do_dw else 0
+        n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
+        w_chunk = w[v0:v1]
+        _dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
+            dz, x, w_chunk, dw_out, dx_acc if do_dx else dummy,
+            N, D, rows, n_dw_tiles, k_per_split, n_out,
+            dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            dw_out.stride(-2) if do_dw else 0, dw_out.stride(-1) if do_dw else 0,
+            part.stride(0) if part is not None else 0,
+            dx_acc.stride(0) if do_dx else 0, dx_acc.stride(1) if do_dx else 0,
+            DO_DW=do_dw, DO_DX=do_dx, DX_ACCUMULATE=accumulate,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **dot,
+            num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
+        )
+        if part is not None:
+            dw[v0:v1].copy_(part.sum(dim=0))
+
+    def scratch_for(cols):
+        nonlocal scratch
+        if scratch is None:
+            scratch = torch.empty(N * plan.chunk, device=x.device, dtype=x.dtype)
+        return scratch[: N * cols].view(N, cols)
+
+    need_dz = need_dx or need_dw
+    # First pass: every class once; dW rows below plan.dw_end, dx accumulated over all chunks.
+    first = True
+    for v0 in range(0, V, plan.chunk):
+        v1 = min(v0 + plan.chunk, V)
+        pieces = [(v0, v1)]
+        if v0 < plan.dw_end < v1:
+            pieces = [(v0, plan.dw_end), (plan.dw_end, v1)]
+        for p0, p1 in pieces:
+            dz = None
+            if need_dz:
+                dz = plan.dz_main[:, : p1 - p0] if plan.dz_main is not None else scratch_for(p1 - p0)
+            dz_pass(p0, p1, dz, need_db)
+            if need_dz:
+                grad_pass(p0, p1, dz, need_dw and p1 <= plan.dw_end, plan.dx_acc, not first)
+                first = False
+    if need_dx and plan.cast_dx:
+        dx.copy_(plan.dx_acc)
+    # Second pass: the dW rows that held the dx accumulator.
+    if need_dw and plan.dw_end < V:
+        cols = _round_chunk(max(1, SCRATCH_BYTES // max(1, N * x.element_size())), cfg.block_v)
+        tail = torch.empty(N * min(cols, V - plan.dw_end), device=x.device, dtype=x.dtype)
+        for v0 in range(plan.dw_end, V, cols):
+            v1 = min(v0 + cols, V)
+            dz = tail[: N * (v1 - v0)].view(N, v1 - v0)
+            dz_pass(v0, v1, dz, False)
+            grad_pass(v0, v1, dz, True, None, False)
+    return dx, dw, None if db is None else db.to(b.dtype)
+
+
+_dispatch.register_triton_op("linear_cross_entropy")
+_dispatch.register_triton_op("linear_log_probs")
+_dispatch.register_triton_op("linear_logsumexp")
