@@ -35,7 +35,7 @@ from .. import _dispatch
 
 _dispatch.register_triton_op("cross_entropy")
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
