@@ -1,0 +1,536 @@
+"""The `logitless score` command: per-token log-probs, NLL and perplexity of text under a local HF causal LM.
+
+Pipeline: read documents (plain text, one per file or per line, or JSONL) -> tokenize with the model's own tokenizer
+(prepending BOS where the tokenizer has one and did not add it) -> cut documents longer than ``--max-length`` into
+strided windows -> sort the windows of a buffer of documents by length and batch them, right-padded -> run the
+model's backbone -> compute log p(token) (and the entropy) of the scored positions only with
+:func:`logitless.linear_log_probs`, so no (tokens x vocabulary) logits tensor is ever built -> write one JSON line
+per document, in input order. ``docs/score.md`` explains each choice; ``main(argv)`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "auto": None}
+_FORMATS = ("auto", "text", "lines", "jsonl")
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# Tokens of the start-up check that the head we compute is the model's own (see _Model.check_head).
+_PROBE_TOKENS = 16
+# Relative error of our log-probs against the model's own on the probe, above which the head is not what we
+# assume. bf16/fp16 logits are rounded to 8/11 bits (relative error ~4e-3 at worst, averaging lower), a wrong scale
+# or a missing softcap is O(1e-1) or more.
+_PROBE_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+# Heads that scale the logits after the projection, keyed by config.model_type: (config attribute, multiply?).
+# z_model = c * softcap(W h + b) is scored as softcap(W h + b) / T with T = 1 / c.
+_LOGIT_SCALES = {
+    "cohere": ("logit_scale", True), "cohere2": ("logit_scale", True), "cohere2_moe": ("logit_scale", True),
+    "granite": ("logits_scaling", False), "granitemoe": ("logits_scaling", False),
+    "granitemoeshared": ("logits_scaling", False), "granitemoehybrid": ("logits_scaling", False),
+    "granite_swa": ("logits_scaling", False), "granitemoe_swa": ("logits_scaling", False),
+    "minicpm3": ("logits_scaling", False), "hyperclovax": ("logits_scaling", True),
+    "falcon_h1": ("lm_head_multiplier", True),
+}
+_DEFAULT_MAX_LENGTH = 4096
+
+
+class ScoreError(Exception):
+    """A problem with the command's inputs or model, reported as one line without a traceback."""
+
+
+class Document(NamedTuple):
+    source: str          # the file it came from ("-" for standard input)
+    index: int           # 0-based position of the document in that file
+    id: object           # the JSONL record's id field, or _NO_ID
+    text: str
+
+
+class Window(NamedTuple):
+    """One model input: `ids` = [BOS] + a slice of the document; targets ids[first:] are scored (first >= 1)."""
+
+    doc: int             # position of the document in its buffer
+    part: int            # window number within the document
+    ids: list[int]
+    first: int
+
+
+_NO_ID = object()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="logitless score",
+        description="Score text with a local Hugging Face causal LM: per document, the token count, mean negative "
+                    "log-likelihood (nats) and perplexity, and with --per-token each token's log-prob and the "
+                    "entropy of the prediction. The head is computed with logitless.linear_log_probs: no logits "
+                    "tensor. Writes one JSON line per document, in input order.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="input files; '-' reads standard input")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="local directory with the model and its tokenizer (save_pretrained); nothing is downloaded")
+    p.add_argument("--dtype", default="auto", type=_parse_dtype,
+                   help="bf16, fp16 or fp32; auto (default): bf16 on CUDA (fp16 where bf16 is unsupported), "
+                        "fp32 elsewhere")
+    p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per forward pass (default 8)")
+    p.add_argument("--max-length", type=int, default=None, metavar="L",
+                   help=f"tokens per window, BOS included (default: the model's maximum positions, at most "
+                        f"{_DEFAULT_MAX_LENGTH}); longer documents are scored in strided windows")
+    p.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="new tokens scored per window after the first (default: half a window); every such token "
+                        "sees at least L - S (- 1 with BOS) tokens of the document before it")
+    p.add_argument("--format", choices=_FORMATS, default="auto",
+                   help="text: one document per file; lines: one per line; jsonl: one JSON object per line; "
+                        "auto (default): jsonl for *.jsonl / *.ndjson, text otherwise")
+    p.add_argument("--text-field", default="text", metavar="NAME", help="JSONL field with the text (default: text)")
+    p.add_argument("--id-field", default="id", metavar="NAME",
+                   help="JSONL field copied to the output as 'id' when present (default: id)")
+    p.add_argument("--per-token", action="store_true",
+                   help="also write token_ids, tokens, log_probs and entropies of every scored token")
+    p.add_argument("--output", "-o", default="-", metavar="FILE", help="output JSONL file (default: stdout)")
+    p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="backend of linear_log_probs (default auto)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary on stderr")
+    return p
+
+
+def _parse_dtype(text: str):
+    key = text.strip().lower()
+    if key not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: choose bf16, fp16, fp32 or auto")
+    return key
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help or a usage error, already printed by argparse
+        return int(e.code or 0)
+    try:
+        return _run(args)
+    except ScoreError as e:
+        print(f"logitless score: error: {e}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input
+
+
+def _file_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    return "jsonl" if path.lower().endswith(_JSONL_SUFFIXES) else "text"
+
+
+def _check_inputs(paths: list[str]) -> None:
+    if paths.count("-") > 1:
+        raise ScoreError("standard input ('-') can be read only once")
+    for path in paths:
+        if path == "-":
+            continue
+        if not os.path.exists(path):
+            raise ScoreError(f"input file not found: {path}")
+        if not os.path.isfile(path):
+            raise ScoreError(f"input is not a regular file: {path}")
+
+
+def _count_documents(paths: list[str], fmt: str) -> int | None:
+    """Documents in all inputs, for the progress bar; None when standard input is among them."""
+    total = 0
+    for path in paths:
+        kind = _file_format(path, fmt)
+        if path == "-":
+            return None
+        if kind == "text":
+            total += 1
+            continue
+        with open(path, "rb") as f:
+            for line in f:
+                total += kind == "lines" or bool(line.strip())
+    return total
+
+
+def _open_text(path: str, newline):
+    if path == "-":
+        return open(sys.stdin.fileno(), encoding="utf-8", newline=newline, closefd=False)
+    return open(path, encoding="utf-8", newline=newline)
+
+
+def iter_documents(path: str, fmt: str, text_field: str = "text", id_field: str = "id") -> Iterator[Document]:
+    """Documents of one input file; `fmt` is one of text/lines/jsonl/auto (see build_parser)."""
+    kind = _file_format(path, fmt)
+    try:
+        if kind == "text":
+            # newline="" keeps the file's text exactly as it is (no \r\n translation).
+            with _open_text(path, newline="") as f:
+                yield Document(path, 0, _NO_ID, f.read())
+            return
+        with _open_text(path, newline=None) as f:
+            if kind == "lines":
+                for i, line in enumerate(f):
+                    yield Document(path, i, _NO_ID, line[:-1] if line.endswith("\n") else line)
+                return
+            index = 0
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                yield _jsonl_document(path, lineno, index, line, text_field, id_field)
+                index += 1
+    except UnicodeDecodeError as e:
+        raise ScoreError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _jsonl_document(path, lineno, index, line, text_field, id_field) -> Document:
+    where = f"{path}:{lineno}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ScoreError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise ScoreError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+        raise ScoreError(f"{where}: the record has no {text_field!r} field (--text-field names another)")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ScoreError(f"{where}: field {text_field!r} must be a string, got {type(text).__name__}")
+    return Document(path, index, record.get(id_field, _NO_ID), text)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Windows
+
+
+def plan_windows(num_body: int, window: int, stride: int, has_bos: bool) -> list[tuple[int, int, int]]:
+    """Cut a document body (its tokens after BOS) into windows; return (start, end, score_from) per window.
+
+    Window k holds body[start:end] (after BOS when the model uses one) and scores body[score_from:end]. The first
+    window starts at 0 and scores every token that has a predecessor (all of them after BOS, else all but
+    body[0]); each next window moves its end `stride` tokens on and keeps `window` tokens, so every body token is
+    scored exactly once and, past the first window, with at least `window - stride` body tokens before it.
+    """
+    first = 0 if has_bos else 1
+    end = min(window, num_body)
+    plan = [(0, end, first)] if end > first else []
+    while end < num_body:
+        new_end = min(end + stride, num_body)
+        plan.append((max(0, new_end - window), new_end, end))
+        end = new_end
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+
+
+class _Model:
+    """A causal LM split into its backbone and its linear head, the head computed by linear_log_probs."""
+
+    def __init__(self, model_dir: str, dtype_key: str, device_arg: str, backend: str):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if not os.path.isdir(model_dir):
+            raise ScoreError(f"--model must be a local directory (nothing is downloaded): {model_dir} is not one")
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = _resolve_device(device_arg)
+        self.dtype = _resolve_dtype(dtype_key, self.device)
+        self.backend = backend
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
+            raise ScoreError(f"cannot load a tokenizer from {model_dir}: {e}") from None
+        # The tokenizer warns about sequences longer than its model_max_length; windows take care of those.
+        self.tokenizer.model_max_length = sys.maxsize
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+        # Our own progress bar is the only one on stderr; transformers' weight-loading bar is restored afterwards.
+        hf_logging = transformers.utils.logging
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **{dtype_kw: self.dtype})
+        except Exception as e:
+            raise ScoreError(f"cannot load a causal LM from {model_dir}: {e}") from None
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.backbone = _backbone(model)
+        head = model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ScoreError(f"{type(model).__name__}: the output embedding is not a linear layer with a 2-D weight")
+        self.weight = weight
+        self.bias = getattr(head, "bias", None)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.softcap = float(softcap) if softcap else None
+        self.temperature = 1.0
+        if cfg.model_type in _LOGIT_SCALES:
+            attr, multiply = _LOGIT_SCALES[cfg.model_type]
+            c = float(getattr(cfg, attr))
+            self.temperature = 1.0 / c if multiply else c
+        self.vocab = weight.shape[0]
+        self.max_positions = next((getattr(cfg, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
+                                   if isinstance(getattr(cfg, a, None), int)), None)
+        self.bos = self.tokenizer.bos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, starting with BOS when the tokenizer has one (added here if it did not)."""
+        out = []
+        for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]:
+            if self.bos is not None and (not ids or ids[0] != self.bos):
+                ids = [self.bos, *ids]
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise ScoreError(f"the tokenizer produced id {bad[0]} but the model's vocabulary has {self.vocab}")
+            out.append(ids)
+        return out
+
+    def score(self, windows: list[Window], want_entropy: bool):
+        """(log-probs, entropies or None) of the scored tokens of each window, float32 CPU tensors."""
+        B, L = len(windows), max(len(w.ids) for w in windows)
+        ids = torch.full((B, L), self.pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        rows, cols, targets, counts = [], [], [], []
+        for b, w in enumerate(windows):
+            n = len(w.ids)
+            ids[b, :n] = torch.tensor(w.ids)
+            mask[b, :n] = 1
+            # Right padding: real tokens never attend to the padding after them and keep positions 0..n-1.
+            rows.extend([b] * (n - w.first))
+            cols.extend(range(w.first - 1, n - 1))
+            targets.extend(w.ids[w.first:])
+            counts.append(n - w.first)
+        dev = self.device
+        hidden = self._hidden(ids.to(dev), mask.to(dev))                      # [B, L, D]
+        h = hidden[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # [N, D]: scored positions only
+        out = self._head(h, torch.tensor(targets, device=dev), want_entropy)
+        logp, ent = out if want_entropy else (out, None)
+        logp = logp.float().cpu().split(counts)
+        ent = ent.float().cpu().split(counts) if ent is not None else [None] * B
+        return list(zip(logp, ent, strict=True))
+
+    def _hidden(self, ids, mask):
+        out = self.backbone(input_ids=ids, attention_mask=mask, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def _head(self, h, targets, want_entropy):
+        from .log_probs import linear_log_probs
+
+        return linear_log_probs(h.to(self.weight.dtype), self.weight, targets, linear_bias=self.bias,
+                                softcap=self.softcap, temperature=self.temperature, return_entropy=want_entropy,
+                                backend=self.backend)
+
+    def check_head(self) -> None:
+        """Compare our head with the model's own logits on a short probe; raise if the architecture differs.
+
+        The backbone + linear (+ bias, softcap, logit scale) split is an assumption about the model class; a model
+        that transforms its hidden states or logits in another way would be scored wrongly and silently without
+        this check. The probe is 16 token ids drawn with a fixed seed, so its logits are tiny.
+        """
+        specials = set(self.tokenizer.all_special_ids)
+        gen = torch.Generator().manual_seed(0)
+        pool = [t for t in range(min(len(self.tokenizer), self.vocab)) if t not in specials] or list(range(self.vocab))
+        picks = torch.randint(len(pool), (_PROBE_TOKENS,), generator=gen).tolist()
+        probe = ([self.bos] if self.bos is not None else []) + [pool[i] for i in picks]
+        ids = torch.tensor([probe], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        theirs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        ours = self._head(self._hidden(ids, torch.ones_like(ids))[0, :-1], ids[0, 1:], False).float()
+        err = ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
+        if not err <= _PROBE_TOL[self.dtype]:
+            raise ScoreError(
+                f"{type(self.model).__name__}: log-probs from the backbone's hidden states and the output "
+                f"embedding (softcap={self.softcap}, logit scale={1.0 / self.temperature:g}) differ from the "
+                f"model's own by {err:.2e} (relative) on a probe; this architecture transforms its head in a way "
+                "logitless score does not know, so it cannot be scored correctly"
+            )
+
+
+def _backbone(model):
+    """The module whose last hidden state feeds the output embedding (get_decoder(), else base_model)."""
+    get = getattr(model, "get_decoder", None)
+    backbone = get() if callable(get) else None
+    if backbone is None or backbone is model:
+        backbone = getattr(model, "base_model", None)
+    if backbone is None or backbone is model:
+        raise ScoreError(f"{type(model).__name__}: cannot find the backbone (get_decoder() / base_model)")
+    return backbone
+
+
+def _resolve_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(arg)
+    except (RuntimeError, ValueError):
+        raise ScoreError(f"unknown --device {arg!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ScoreError(f"--device {arg}: CUDA is not available on this machine")
+    return device
+
+
+def _resolve_dtype(key: str, device: torch.device) -> torch.dtype:
+    if _DTYPES[key] is not None:
+        return _DTYPES[key]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring loop
+
+
+def _window_plan(args, model: _Model) -> tuple[int, int]:
+    """(body tokens per window, stride), checked against the model and each other."""
+    max_len = args.max_length
+    if max_len is None:
+        max_len = min(model.max_positions or _DEFAULT_MAX_LENGTH, _DEFAULT_MAX_LENGTH)
+    if max_len < 2:
+        raise ScoreError(f"--max-length must be at least 2, got {max_len}")
+    if model.max_positions is not None and max_len > model.max_positions:
+        raise ScoreError(f"--max-length {max_len} exceeds the model's maximum positions ({model.max_positions})")
+    has_bos = model.bos is not None
+    window = max_len - has_bos
+    # Without BOS the first token of a window has no context: at least one token must be carried.
+    top = window if has_bos else window - 1
+    stride = args.stride if args.stride is not None else max(1, window // 2)
+    if not 1 <= stride <= top:
+        raise ScoreError(f"--stride must be in [1, {top}] for --max-length {max_len}"
+                         f"{' (the BOS token takes one position)' if has_bos else ''}, got {stride}")
+    return window, stride
+
+
+def _buffers(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
+    buf = []
+    for d in docs:
+        buf.append(d)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def _all_documents(args) -> Iterator[Document]:
+    for path in args.files:
+        yield from iter_documents(path, args.format, args.text_field, args.id_field)
+
+
+def _json_floats(t: torch.Tensor) -> list:
+    # str() of a float32 is its shortest round-trip form: exact values, short lines.
+    return [_finite(float(s)) for s in map(str, t.numpy())]
+
+
+def _finite(x: float):
+    return x if math.isfinite(x) else None
+
+
+def _record(doc: Document, ids: list[int], parts, per_token: bool, tokenizer) -> tuple[dict, float]:
+    """The output line of one document, and the sum of its log-probs (float64) for the corpus summary."""
+    rec = {} if doc.id is _NO_ID else {"id": doc.id}
+    rec.update(source=doc.source, index=doc.index)
+    logp = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0)
+    n = logp.numel()
+    total = logp.double().sum().item()
+    nll = -total / n if n else math.nan
+    rec.update(num_tokens=n, nll=_finite(nll), ppl=_finite(math.exp(nll)) if n else None)
+    if per_token:
+        scored = ids[len(ids) - n:]  # every token after the first is scored exactly once
+        ent = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0)
+        rec.update(token_ids=scored, tokens=tokenizer.convert_ids_to_tokens(scored), log_probs=_json_floats(logp),
+                   entropies=_json_floats(ent))
+    return rec, total
+
+
+def _run(args) -> int:
+    if args.batch_size < 1:
+        raise ScoreError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _check_inputs(args.files)
+    out = sys.stdout if args.output == "-" else _open_output(args.output)
+    try:
+        with torch.inference_mode():
+            model = _Model(args.model, args.dtype, args.device, args.backend)
+            window, stride = _window_plan(args, model)
+            model.check_head()
+            stats = _score_all(args, model, window, stride, out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    docs, tokens, nll_sum = stats
+    if not args.quiet:
+        nll = nll_sum / tokens if tokens else math.nan
+        print(f"logitless score: {docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
+              f"perplexity {math.exp(nll) if tokens else math.nan:.4f} (token-weighted over all documents)",
+              file=sys.stderr)
+    return 0
+
+
+def _open_output(path: str):
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise ScoreError(f"cannot write --output {path}: {e.strerror}") from None
+
+
+def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int, int, float]:
+    """Score every document, writing its line as soon as it and all documents before it are done."""
+    from tqdm import tqdm
+
+    # Sorting by length inside a buffer of documents removes most padding and keeps the output streaming.
+    buffer_size = max(1024, 32 * args.batch_size)
+    total = _count_documents(args.files, args.format)
+    n_docs = n_tokens = 0
+    logp_sum = 0.0
+    with tqdm(total=total, unit="doc", desc="scoring", file=sys.stderr, disable=args.quiet, dynamic_ncols=True) as bar:
+        for buf in _buffers(_all_documents(args), buffer_size):
+            for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar):
+                out.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+                n_docs += 1
+                n_tokens += rec["num_tokens"]
+                logp_sum += doc_sum
+            out.flush()
+    return n_docs, n_tokens, -logp_sum
+
+
+def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, args, bar):
+    """Yield (record, sum of log-probs) for the documents of `buf` in order, each once it is complete."""
+    has_bos = model.bos is not None
+    encoded = model.encode([d.text for d in buf])
+    windows: list[Window] = []
+    for i, ids in enumerate(encoded):
+        prefix, body = ids[:has_bos], ids[has_bos:]
+        for k, (s, e, f) in enumerate(plan_windows(len(body), window, stride, has_bos)):
+            windows.append(Window(i, k, prefix + body[s:e], len(prefix) + f - s))
+    parts: list[list] = [[] for _ in buf]
+    for w in windows:
+        parts[w.doc].append(None)
+    pending = [len(p) for p in parts]
+    bar.update(pending.count(0))  # documents with nothing to score (empty) are done already
+    # Longest first: a batch that does not fit in memory fails at once, not after hours.
+    windows.sort(key=lambda w: len(w.ids), reverse=True)
+    ready = 0
+    for b0 in range(0, len(windows) + 1, args.batch_size):
+        batch = windows[b0:b0 + args.batch_size]
+        if batch:
+            for w, res in zip(batch, model.score(batch, args.per_token), strict=True):
+                parts[w.doc][w.part] = res
+                pending[w.doc] -= 1
+                bar.update(int(pending[w.doc] == 0))
+        while ready < len(buf) and pending[ready] == 0:
+            yield _record(buf[ready], encoded[ready], parts[ready], args.per_token, model.tokenizer)
+            ready += 1

@@ -1,0 +1,331 @@
+"""`logitless score`: numbers against the model's own float64 logits, batching, windows, inputs, errors.
+
+Tiny randomly initialised models of several families are saved with a tiny BPE tokenizer to a temporary folder (no
+downloads). Each family exercises one thing the command must get right: BOS added by the tokenizer (llama), BOS
+prepended by us (gpt2), no BOS at all and a bias on the head (phi), the final logit softcap (gemma2), logit scales
+(cohere multiplies, granite divides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import assert_within_rule, rel_err
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tqdm")
+
+from logitless import score  # noqa: E402
+
+VOCAB = 320  # model rows; the tokenizer uses ~300 of them, as real models often leave spare rows
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Language models assign a probability to every token of a text.",
+    "Perplexity is the exponential of the mean negative log-likelihood.",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
+    "0123456789 +-*/ = () [] {} <> \"quotes\" and 'apostrophes'",
+]
+DOCS = [
+    "The lazy dog sleeps.",
+    "",
+    "Perplexity of a quick brown fox, over and over again, is exponential in the log-likelihood of the text.",
+    "Ü",
+    "A model.",
+]
+LONG = " ".join(CORPUS) + " " + " ".join(reversed(CORPUS))
+
+# family -> (config class, config kwargs, tokenizer BOS behaviour: "added" by it, "prepended" by us, or "none")
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=128)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2), "added"),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128), "prepended"),
+    "phi": ("PhiConfig", dict(_COMMON), "none"),
+    "gemma2": ("Gemma2Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, final_logit_softcapping=3.0),
+               "added"),
+    "cohere": ("CohereConfig", dict(_COMMON, num_key_value_heads=2, logit_scale=0.25), "added"),
+    "granite": ("GraniteConfig", dict(_COMMON, num_key_value_heads=2, logits_scaling=4.0), "prepended"),
+}
+
+
+def _tokenizer(bos: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    if bos == "added":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    specials = dict(eos_token="</s>", pad_token="<pad>")
+    if bos != "none":
+        specials["bos_token"] = "<s>"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
+
+
+def _build(path, family: str) -> None:
+    cls_name, kwargs, bos = FAMILIES[family]
+    torch.manual_seed(sum(map(ord, family)))
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs))
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        if head.bias is not None:
+            head.bias.normal_(0.0, 2.0)
+        # Random init predicts almost uniformly; scale the head so logits spread over ~+-10 (peaked distributions,
+        # a softcap that bites, log-probs and entropies that differ from token to token).
+        ids = torch.arange(2, 40)[None]
+        spread = model(input_ids=ids).logits.std()
+        head.weight.mul_(4.0 / spread)
+    model.save_pretrained(path)
+    _tokenizer(bos).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for family in FAMILIES:
+        dirs[family] = root / family
+        _build(dirs[family], family)
+    return dirs
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _jsonl(tmp_path, docs, name="docs.jsonl"):
+    return _write(tmp_path / name, [json.dumps({"id": f"doc-{i}", "text": t}) for i, t in enumerate(docs)])
+
+
+def _score(argv, capsys):
+    """Run main() in-process; return the JSON records it printed."""
+    rc = score.main([*argv, "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def _expected_ids(tok, text: str, bos: str) -> list[int]:
+    ids = tok(text)["input_ids"]
+    if bos == "added":
+        assert ids[:1] == [tok.bos_token_id]
+    return [tok.bos_token_id, *ids] if bos == "prepended" else ids
+
+
+def _truth(model_dir, ids_list, dtype):
+    """Per document: log p of each next token and the entropy of each prediction, from the model's own logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = []
+    with torch.no_grad():
+        for ids in ids_list:
+            if len(ids) < 2:
+                out.append((torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype)))
+                continue
+            t = torch.tensor([ids])
+            logp = torch.log_softmax(model(input_ids=t).logits[0, :-1], dim=-1)
+            out.append((logp.gather(1, t[0, 1:, None])[:, 0], -(logp.exp() * logp).sum(-1)))
+    return out
+
+
+def _check_against_model(records, model_dir, ids_list, dtype):
+    """Every number in `records` within the error rule against float64, next to PyTorch on the model's logits."""
+    truth = _truth(model_dir, ids_list, torch.float64)
+    same = _truth(model_dir, ids_list, dtype)
+    for rec, ids in zip(records, ids_list, strict=True):
+        assert rec["token_ids"] == ids[1:]
+        assert rec["num_tokens"] == max(0, len(ids) - 1)
+    cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)
+    ours_lp = cat([torch.tensor(r["log_probs"], dtype=torch.float64) for r in records])
+    ours_h = cat([torch.tensor(r["entropies"], dtype=torch.float64) for r in records])
+    assert_within_rule("log_probs", ours_lp, cat([s[0] for s in same]), cat([t[0] for t in truth]))
+    assert_within_rule("entropies", ours_h, cat([s[1] for s in same]), cat([t[1] for t in truth]))
+    scored = [i for i, r in enumerate(records) if r["num_tokens"]]
+    nll = lambda parts: torch.tensor([-parts[i][0].double().mean().item() for i in scored])
+    assert_within_rule("nll", torch.tensor([records[i]["nll"] for i in scored]), nll(same), nll(truth))
+    assert_within_rule("ppl", torch.tensor([records[i]["ppl"] for i in scored]), nll(same).exp(), nll(truth).exp())
+    for r in records:
+        if not r["num_tokens"]:
+            assert r["nll"] is None and r["ppl"] is None and r["log_probs"] == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_matches_model_logits(family, model_dirs, tmp_path, capsys):
+    # Batches of 3 mix long, short and empty documents: padding, sorting and reassembly in input order.
+    d = model_dirs[family]
+    records = _score(["--model", str(d), "--per-token", "--batch-size", "3", str(_jsonl(tmp_path, DOCS))], capsys)
+    assert [r["id"] for r in records] == [f"doc-{i}" for i in range(len(DOCS))]
+    assert [r["index"] for r in records] == list(range(len(DOCS)))
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ids_list = [_expected_ids(tok, t, FAMILIES[family][2]) for t in DOCS]
+    _check_against_model(records, d, ids_list, torch.float32)
+    for r in records:
+        assert r["tokens"] == tok.convert_ids_to_tokens(r["token_ids"])
+        if r["num_tokens"]:
+            assert r["ppl"] == pytest.approx(math.exp(r["nll"]), rel=1e-12)
+
+
+def test_bf16_matches_model_logits(model_dirs, tmp_path, capsys):
+    # bf16 weights and activations: ours within 2x PyTorch's own bf16 error of the float64 model.
+    d = model_dirs["gemma2"]
+    records = _score(["--model", str(d), "--dtype", "bf16", "--per-token", str(_jsonl(tmp_path, DOCS))], capsys)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    _check_against_model(records, d, [_expected_ids(tok, t, "added") for t in DOCS], torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi"])
+def test_batch_size_invariant(family, model_dirs, tmp_path, capsys):
+    # Padding to the longest window of a batch must not change any number (windows included).
+    src = str(_jsonl(tmp_path, [*DOCS, LONG, DOCS[2] * 2]))
+    args = ["--model", str(model_dirs[family]), "--per-token", "--max-length", "24", "--stride", "7", src]
+    one = _score([*args, "--batch-size", "1"], capsys)
+    many = _score([*args, "--batch-size", "5"], capsys)
+    assert [r["token_ids"] for r in one] == [r["token_ids"] for r in many]
+    for key in ("log_probs", "entropies"):
+        a = torch.tensor(sum((r[key] for r in one), []), dtype=torch.float64)
+        b = torch.tensor(sum((r[key] for r in many), []), dtype=torch.float64)
+        assert rel_err(b, a) < 1e-6, key
+
+
+@pytest.mark.parametrize("family", ["llama", "phi"])
+def test_windows(family, model_dirs, tmp_path, capsys):
+    # A document of ~4x --max-length: every token scored once, each with the context docs/score.md promises.
+    d = model_dirs[family]
+    bos = FAMILIES[family][2]
+    max_length, stride = 20, 6
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ids = _expected_ids(tok, LONG, bos)
+    assert len(ids) > 4 * max_length
+    src = _write(tmp_path / "long.txt", [LONG])
+    (rec,) = _score(["--model", str(d), "--per-token", "--format", "lines", "--max-length", str(max_length),
+                     "--stride", str(stride), str(src)], capsys)
+    assert rec["token_ids"] == ids[1:] and rec["num_tokens"] == len(ids) - 1
+
+    # Naive reference, token by token: body = tokens after BOS; window = max_length - 1 body tokens after BOS (or
+    # max_length without BOS); the first window ends at `window`, each next one `stride` later; a token is scored by
+    # the window whose end passes it first, with that window's tokens before it as context.
+    prefix, body = (ids[:1], ids[1:]) if bos != "none" else ([], ids)
+    window = max_length - len(prefix)
+    ends = [min(window, len(body))]
+    while ends[-1] < len(body):
+        ends.append(min(ends[-1] + stride, len(body)))
+    contexts = []
+    for j in range(0 if prefix else 1, len(body)):
+        end = next(e for e in ends if e > j)
+        contexts.append(prefix + body[max(0, end - window):j + 1])
+    truth = _truth(d, contexts, torch.float64)
+    same = _truth(d, contexts, torch.float32)
+    last = lambda parts, k: torch.stack([p[k][-1] for p in parts])
+    assert_within_rule("windowed log_probs", torch.tensor(rec["log_probs"]), last(same, 0), last(truth, 0))
+    assert_within_rule("windowed entropies", torch.tensor(rec["entropies"]), last(same, 1), last(truth, 1))
+    # ... and the windows matter: with full context some tokens get other log-probs.
+    (full,) = _truth(d, [ids], torch.float64)
+    assert rel_err(torch.tensor(rec["log_probs"]), full[0]) > 1e-3
+
+
+def test_plan_windows_covers_each_token_once():
+    for has_bos in (True, False):
+        for n in (0, 1, 2, 5, 17, 64):
+            for window, stride in ((1, 1), (4, 4), (8, 3), (8, 7), (16, 1)):
+                if not has_bos and stride >= window:
+                    continue
+                plan = score.plan_windows(n, window, stride, has_bos)
+                scored = [j for s, e, f in plan for j in range(f, e)]
+                assert scored == list(range(0 if has_bos else 1, n)), (has_bos, n, window, stride)
+                for k, (s, e, f) in enumerate(plan):
+                    assert 0 <= s <= f < e <= n and e - s <= window
+                    if k:
+                        assert f - s >= min(window - stride, f)
+
+
+def test_text_lines_and_jsonl_agree(model_dirs, tmp_path, capsys):
+    # The same texts as plain text (one per file), lines, and JSONL give the same numbers; empty lines are documents.
+    d = str(model_dirs["gpt2"])
+    files = []
+    for i, text in enumerate(DOCS):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    as_text = _score(["--model", d, *map(str, files)], capsys)
+    as_lines = _score(["--model", d, "--format", "lines", str(_write(tmp_path / "all.txt", DOCS))], capsys)
+    as_jsonl = _score(["--model", d, str(_jsonl(tmp_path, DOCS))], capsys)
+    assert [r["source"] for r in as_text] == list(map(str, files)) and {r["index"] for r in as_text} == {0}
+    assert [r["index"] for r in as_lines] == list(range(len(DOCS)))
+    assert all("id" not in r for r in as_text + as_lines)
+    for a, b, c in zip(as_text, as_lines, as_jsonl, strict=True):
+        assert a["num_tokens"] == b["num_tokens"] == c["num_tokens"]
+        if a["num_tokens"]:
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-6) and a["nll"] == pytest.approx(c["nll"], rel=1e-6)
+    # A text file is one document, newlines and all.
+    multi = tmp_path / "multi.txt"
+    multi.write_text("first line\r\nsecond line\n", encoding="utf-8")
+    (rec,) = _score(["--model", d, "--per-token", str(multi)], capsys)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    assert rec["token_ids"] == tok("first line\r\nsecond line\n")["input_ids"]
+
+
+def test_subprocess_writes_output_file(model_dirs, tmp_path, capsys):
+    d = str(model_dirs["llama"])
+    src = str(_jsonl(tmp_path, DOCS))
+    out = tmp_path / "scores.jsonl"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--output", str(out), src],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "scored tokens" in proc.stderr and "perplexity" in proc.stderr
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    ref = _score(["--model", d, src], capsys)
+    assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert (a["nll"] is None) == (b["nll"] is None)
+        if a["nll"] is not None:
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-6)
+
+
+def _fails(argv, capsys, *needles, rc=1):
+    assert score.main(argv) == rc
+    out, err = capsys.readouterr()
+    assert out == ""
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_errors(model_dirs, tmp_path, capsys):
+    d = str(model_dirs["llama"])
+    good = str(_jsonl(tmp_path, DOCS))
+    _fails(["--model", d, str(tmp_path / "missing.txt")], capsys, "input file not found", "missing.txt")
+    _fails(["--model", d, "--dtype", "fp8", good], capsys, "unknown dtype 'fp8'", rc=2)
+    _fails(["--model", str(tmp_path / "nowhere"), good], capsys, "local directory", "nowhere")
+    _fails(["--model", d, "--batch-size", "0", good], capsys, "--batch-size")
+    _fails(["--model", d, "--max-length", "1", good], capsys, "--max-length must be at least 2")
+    _fails(["--model", d, "--max-length", "4096", good], capsys, "exceeds the model's maximum positions (128)")
+    _fails(["--model", d, "--max-length", "16", "--stride", "16", good], capsys, "--stride must be in [1, 15]")
+    _fails(["--model", d, "--device", "gpu0", good], capsys, "unknown --device")
+    bad = _write(tmp_path / "bad.jsonl", ['{"text": "fine"}', '{"body": "no text"}'])
+    _fails(["--model", d, str(bad)], capsys, "bad.jsonl:2", "no 'text' field")
+    bad = _write(tmp_path / "bad2.jsonl", ['{"text": "fine"', ""])
+    _fails(["--model", d, str(bad)], capsys, "bad2.jsonl:1", "not valid JSON")
+    bad = _write(tmp_path / "bad3.jsonl", ['{"text": 3}'])
+    _fails(["--model", d, str(bad)], capsys, "field 'text' must be a string")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    _fails(["--model", d, str(latin)], capsys, "not valid UTF-8")
+
+
+def test_unknown_head_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
+    # Without its logit scale, granite's head is not what we compute: the start-up probe must refuse it.
+    monkeypatch.delitem(score._LOGIT_SCALES, "granite")
+    _fails(["--model", str(model_dirs["granite"]), str(_jsonl(tmp_path, DOCS))], capsys, "GraniteForCausalLM",
+           "cannot be scored correctly")
