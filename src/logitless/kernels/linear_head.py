@@ -59,10 +59,21 @@ def _tanh(y):
 
 @triton.jit
 def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # UPCAST: the interpreter's bfloat16 dot is wrong in some Triton versions; bf16 products are exact in float32.
+    # UPCAST (the interpreter, bfloat16): its bfloat16 dot is wrong in some Triton versions; bf16 products are exact
+    # in float32.
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    # float32 -> dtype rounding to nearest even; the interpreter truncates float32 -> bfloat16, so round by hand there.
+    if UPCAST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -310,7 +321,8 @@ def _dz_kernel(
     ok = row_ok[:, None] & col_ok[None, :]
     g = tl.where(ok, g, 0.0)  # [BLOCK_N, BLOCK_V]
     if STORE_DZ:
-        tl.store(dz_ptr + rows[:, None] * stride_dz + lcols[None, :], g.to(dz_ptr.dtype.element_ty), mask=ok)
+        tl.store(dz_ptr + rows[:, None] * stride_dz + lcols[None, :], _cast(g, dz_ptr.dtype.element_ty, UPCAST),
+                 mask=ok)
     if HAS_DB:
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(g, axis=0), mask=col_ok)
 
@@ -329,7 +341,7 @@ def _dw_tile(
 ):
     ks = tile // n_out_tiles  # split of the token (reduction) dimension; partials go to slice ks of dw_ptr
     pid_m, pid_d = _grouped(tile % n_out_tiles, tl.cdiv(n_vrows, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < n_vrows
@@ -347,7 +359,7 @@ def _dw_tile(
         a_ptrs += BLOCK_K * stride_dz
         b_ptrs += BLOCK_K * stride_xn
     out = dw_ptr + ks.to(tl.int64) * stride_dws + (offs_m[:, None] * stride_dwv + offs_d[None, :] * stride_dwd)
-    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(out, _cast(acc, dw_ptr.dtype.element_ty, UPCAST), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -525,7 +537,9 @@ class _Plan(NamedTuple):
 
 
 def _round_chunk(cols: int, block: int) -> int:
-    return max(block, cols // block * block) if cols >= block else max(cols, 1)
+    # At most 2^16 classes per chunk keeps every in-chunk offset times a row stride within int32.
+    cols = min(cols, 1 << 16)
+    return cols // block * block if cols >= block else max(cols, 1)
 
 
 def _plan(x, w, dx, dw, N, V, D, cfg) -> _Plan:

@@ -1,0 +1,330 @@
+"""Linear head kernels on a CUDA device: correctness against float64 and timing next to cuBLAS.
+
+    PYTHONPATH=src python scripts/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
+        [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
+
+For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
+"uniform" = the head at initialisation), in bfloat16:
+- check: on the first --check-rows tokens (full D and V), the loss and d_input / d_weight of
+  linear_cross_entropy (mean, 10% ignored tokens) and log-probs + entropy (temperature 0.9, random upstream) of
+  linear_log_probs against float64, under the STYLE.md rule (ours <= 2 x PyTorch-in-bf16 error + 1e-6); on the full
+  shape, the loss (and for "lm" the gradients) against the chunked float32 PyTorch path;
+- time (CUDA events, median of --reps after 2 warm-ups): the forward (loss, no grad), forward + backward
+  (autograd.grad of the mean loss w.r.t. input and weight), no-grad log-probs; the dense floor = the three cuBLAS
+  products x @ W.T, dz @ W, dz.T @ x (dz a pre-made N x V bf16 tensor) and one product x @ W.T;
+- peak extra memory: torch.cuda.max_memory_allocated() during the call above what was allocated before (inputs),
+  minus the returned outputs (the gradients for forward + backward).
+--variants times other tile configurations at llama3-8b uniform; --extra runs the int64-offset shapes
+(N*D > 2^31, V*D > 2^31) and the run-to-run bitwise determinism check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import torch
+
+import logitless
+from logitless import reference
+from logitless.bench import data
+from logitless.kernels import linear_head as lh
+
+SHAPES = {
+    "gemma2-2b": (8192, 2304, 256000),
+    "llama3-8b": (16384, 4096, 128256),
+    "mistral-nemo": (8192, 5120, 131072),
+    "qwen3-small": (16384, 1024, 151936),
+}
+
+
+def median_ms(fn, reps, warmup=2):
+    for _ in range(warmup):
+        out = fn()
+        del out
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+        del out
+    return statistics.median(times)
+
+
+def peak_extra_mb(fn):
+    """Peak allocation above the current one during fn(), minus what fn returns (tensors or tuples of them)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    returned = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+    del out, outs
+    return (peak - base - returned) / 2**20
+
+
+def rel(x, ref):
+    x, ref = x.detach().double(), ref.detach().double()
+    if torch.isnan(x).any():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def rule(name, ours, theirs, truth, failures):
+    e_o, e_t = rel(ours, truth), rel(theirs, truth)
+    ok = e_o <= 2 * e_t + 1e-6
+    if not ok:
+        failures.append(name)
+    return f"{name} {e_o:.2e}/{e_t:.2e}{'' if ok else ' FAIL'}"
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def check_slice(head, rows, tag):
+    """STYLE.md rule on the first `rows` tokens: loss, d_input, d_weight; log-probs, entropy and their grads."""
+    failures = []
+    x, w, t = head.input[:rows], head.weight, head.target[:rows].clone()
+    t[::10] = -100
+    parts = []
+    res = {}
+    for name in ("ours", "bf16", "f64"):
+        xl, wl = leaf(x if name != "f64" else x.double()), leaf(w if name != "f64" else w.double())
+        if name == "ours":
+            loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
+        else:
+            loss = reference.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
+        res[name] = (loss.detach(),) + tuple(torch.autograd.grad(loss, (xl, wl)))
+        del xl, wl, loss
+    for i, q in enumerate(("loss", "d_input", "d_weight")):
+        parts.append(rule(q, res["ours"][i], res["bf16"][i], res["f64"][i], failures))
+    del res
+    g = torch.Generator(device=x.device).manual_seed(1)
+    up1 = torch.randn(rows, device=x.device, generator=g, dtype=torch.float64)
+    up2 = torch.randn(rows, device=x.device, generator=g, dtype=torch.float64)
+    res = {}
+    for name in ("ours", "bf16", "f64"):
+        xl, wl = leaf(x if name != "f64" else x.double()), leaf(w if name != "f64" else w.double())
+        if name == "ours":
+            lp, en = logitless.linear_log_probs(xl, wl, t, temperature=0.9, return_entropy=True, backend="triton")
+        else:
+            lp, en = reference.naive_linear_log_probs(xl, wl, t, temperature=0.9, return_entropy=True,
+                                                      upcast=name == "f64")
+        obj = (lp * up1.to(lp.dtype)).sum() + (en * up2.to(en.dtype)).sum()
+        res[name] = (lp.detach(), en.detach()) + tuple(torch.autograd.grad(obj, (xl, wl)))
+        del xl, wl, lp, en, obj
+    for i, q in enumerate(("logp", "entropy", "lp_d_input", "lp_d_weight")):
+        parts.append(rule(q, res["ours"][i], res["bf16"][i], res["f64"][i], failures))
+    print(f"  check {tag} rows={rows}: " + "; ".join(parts), flush=True)
+    return failures
+
+
+def check_full(head, with_grads):
+    xl, wl = leaf(head.input), leaf(head.weight)
+    ours = logitless.linear_cross_entropy(xl, wl, head.target, backend="triton")
+    ref = logitless.linear_cross_entropy(head.input, head.weight, head.target, backend="torch")
+    out = {"loss_rel_vs_fp32_path": rel(ours, ref)}
+    if with_grads:
+        go = torch.autograd.grad(ours, (xl, wl))
+        xr, wr = leaf(head.input), leaf(head.weight)
+        gr = torch.autograd.grad(logitless.linear_cross_entropy(xr, wr, head.target, backend="torch"), (xr, wr))
+        out["d_input_rel"] = rel(go[0], gr[0])
+        out["d_weight_rel"] = rel(go[1], gr[1])
+    return out
+
+
+def time_case(head, reps):
+    x, w, t = head.input, head.weight, head.target
+    N, V = x.shape[0], w.shape[0]
+    xl, wl = leaf(x), leaf(w)
+    buf = {"dz": torch.randn(N, V, device="cuda", dtype=x.dtype) * 1e-3}  # the floor's dL/dz, made once
+
+    def fwd():
+        with torch.no_grad():
+            return logitless.linear_cross_entropy(x, w, t, backend="triton")
+
+    def logp():
+        with torch.no_grad():
+            return logitless.linear_log_probs(x, w, t, backend="triton")
+
+    def fwdbwd():
+        return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl))
+
+    def floor():
+        dz = buf["dz"]
+        return (x @ w.T, dz @ w, dz.T @ x)
+
+    def mm():
+        return x @ w.T
+
+    r = {}
+    for name, fn in (("fwd", fwd), ("logp", logp), ("fwdbwd", fwdbwd), ("floor", floor), ("mm", mm)):
+        r[name + "_ms"] = median_ms(fn, reps)
+    buf.clear()
+    for name, fn in (("fwd", fwd), ("logp", logp), ("fwdbwd", fwdbwd)):
+        r[name + "_peak_mb"] = peak_extra_mb(fn)
+    return r
+
+
+def run_variants(reps):
+    N, D, V = SHAPES["llama3-8b"]
+    head = data.uniform(N, D, V, device="cuda")
+    base = lh._GPU_CONFIG
+    fwd_variants = {
+        "128x128x64 w8 s3": base,
+        "128x256x64 w8 s3": base._replace(block_v=256),
+        "128x128x64 w4 s4": base._replace(fwd_warps=4, fwd_stages=4),
+        "128x256x64 w8 s4": base._replace(block_v=256, fwd_stages=4),
+        "64x256x64 w4 s4": base._replace(block_n=64, block_v=256, fwd_warps=4, fwd_stages=4),
+    }
+    grad_variants = {
+        "128x128x64 w8 s3": base,
+        "128x256x64 w8 s3": base._replace(block_d=256),
+        "128x128x64 w4 s4": base._replace(grad_warps=4, grad_stages=4),
+        "128x256x64 w8 s4": base._replace(block_d=256, grad_stages=4),
+    }
+    x, w, t = head.input, head.weight, head.target
+    xl, wl = leaf(x), leaf(w)
+    out = {}
+    try:
+        for name, cfg in fwd_variants.items():
+            lh.CONFIG_OVERRIDE = cfg
+            try:
+                with torch.no_grad():
+                    ms = median_ms(lambda: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
+                out["fwd " + name] = ms
+            except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
+                out["fwd " + name] = repr(e)[:120]
+            print(f"  variant fwd {name}: {out['fwd ' + name]}", flush=True)
+        for name, cfg in grad_variants.items():
+            lh.CONFIG_OVERRIDE = cfg
+            try:
+                ms = median_ms(lambda: torch.autograd.grad(
+                    logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), reps)
+                out["fwdbwd " + name] = ms
+            except Exception as e:
+                out["fwdbwd " + name] = repr(e)[:120]
+            print(f"  variant fwdbwd {name}: {out['fwdbwd ' + name]}", flush=True)
+    finally:
+        lh.CONFIG_OVERRIDE = None
+    return out
+
+
+def run_extra():
+    out = {}
+    # N * D > 2^31 (input and the dz workspace), then V * D > 2^31 (weight and its gradient).
+    for tag, (N, D, V) in (("N*D>2^31", (524411, 4100, 1000)), ("V*D>2^31", (300, 4100, 524411))):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(N, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(V, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        t = torch.randint(0, V, (N,), device="cuda", generator=g)
+        xl, wl = leaf(x), leaf(w)
+        ours = logitless.linear_cross_entropy(xl, wl, t, backend="triton", reduction="sum")
+        go = torch.autograd.grad(ours, (xl, wl))
+        del xl, wl
+        xr, wr = leaf(x), leaf(w)
+        ref = logitless.linear_cross_entropy(xr, wr, t, backend="torch", reduction="sum")
+        gr = torch.autograd.grad(ref, (xr, wr))
+        # The far end of each big tensor is where a 32-bit offset would wrap.
+        out[tag] = dict(loss=rel(ours, ref), d_input=rel(go[0], gr[0]), d_weight=rel(go[1], gr[1]),
+                        d_input_last_rows=rel(go[0][-64:], gr[0][-64:]),
+                        d_weight_last_rows=rel(go[1][-64:], gr[1][-64:]))
+        print(f"  int64 {tag}: {out[tag]}", flush=True)
+        del x, w, t, go, gr, xr, wr
+        torch.cuda.empty_cache()
+    N, D, V = SHAPES["qwen3-small"]
+    head = data.uniform(N, D, V, device="cuda", seed=3)
+    runs = []
+    for _ in range(2):
+        xl, wl = leaf(head.input), leaf(head.weight)
+        runs.append(torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, head.target, backend="triton",
+                                                                       deterministic=True), (xl, wl)))
+    out["bitwise_identical"] = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+    print(f"  determinism (qwen3-small uniform, 2 runs): bitwise identical = {out['bitwise_identical']}", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--kinds", default="lm,uniform")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="checks only, at a tiny shape on the CPU interpreter")
+    a = ap.parse_args()
+    import triton
+
+    if a.dry_run:
+        for kind in ("lm", "uniform"):
+            head = data.make_head(kind, 70, 48, 700, device="cpu")
+            print(check_slice(head, 50, kind), check_full(head, True))
+        return
+
+    dev = torch.cuda.get_device_properties(0)
+    print(f"device {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    results = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__, "cases": {}}
+    failures = []
+    for shape in a.shapes.split(","):
+        N, D, V = SHAPES[shape]
+        for kind in a.kinds.split(","):
+            tag = f"{shape} {kind}"
+            t0 = time.time()
+            try:
+                head = data.make_head(kind, N, D, V, device="cuda")
+                res = {"data": head.description}
+                failures += [f"{tag} {f}" for f in check_slice(head, a.check_rows, tag)]
+                res.update(check_full(head, with_grads=kind == "lm"))
+                res.update(time_case(head, a.reps))
+                res["fwdbwd_over_floor"] = res["fwdbwd_ms"] / res["floor_ms"]
+                res["fwd_over_mm"] = res["fwd_ms"] / res["mm_ms"]
+                res["logp_over_mm"] = res["logp_ms"] / res["mm_ms"]
+                results["cases"][tag] = res
+                short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if k != "data"}
+                print(f"  {tag}: {json.dumps(short)} ({time.time() - t0:.0f} s)", flush=True)
+                del head
+            except Exception:
+                traceback.print_exc()
+                failures.append(f"{tag} crashed")
+            torch.cuda.empty_cache()
+    if a.variants:
+        try:
+            results["variants"] = run_variants(a.reps)
+        except Exception:
+            traceback.print_exc()
+    if a.extra:
+        try:
+            results["extra"] = run_extra()
+        except Exception:
+            traceback.print_exc()
+            failures.append("extra crashed")
+    results["failures"] = failures
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print("\n| shape | data | fwd ms (x mm) | logp ms (x mm) | fwd+bwd ms (x floor) | floor ms | mm ms "
+          "| peak MB fwd / logp / fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tag, r in results["cases"].items():
+        shape, kind = tag.split()
+        print(f"| {shape} | {kind} | {r['fwd_ms']:.2f} ({r['fwd_over_mm']:.2f}) | {r['logp_ms']:.2f} "
+              f"({r['logp_over_mm']:.2f}) | {r['fwdbwd_ms']:.2f} ({r['fwdbwd_over_floor']:.2f}) "
+              f"| {r['floor_ms']:.2f} | {r['mm_ms']:.2f} "
+              f"| {r['fwd_peak_mb']:.1f} / {r['logp_peak_mb']:.1f} / {r['fwdbwd_peak_mb']:.1f} |")
+    print("failures:", failures or "none")
+
+
+if __name__ == "__main__":
+    main()
