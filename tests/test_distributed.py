@@ -64,6 +64,14 @@ CASES = {
     "lse_f32_temp_softcap": ("lse", F32, dict(temperature=1.7, softcap=4.0), dict(bias=True, scale=3.0)),
     "lse_bf16": ("lse", BF16, dict(), dict(bias=True, scale=3.0)),
     "lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict()),
+    # The local pass through the Triton kernels (the interpreter on CPU): targets of other shards are shifted
+    # outside [0, V_r), which the launchers must treat as "not here".
+    "triton_ce_bf16_none_all_options": ("ce", BF16, dict(reduction="none", **ALL_CE),
+                                        dict(bias=True, class_w=True, backend="triton")),
+    "triton_ce_f32_mean_smoothing": ("ce", F32, dict(label_smoothing=0.2), dict(class_w=True, backend="triton")),
+    "triton_logp_f32_entropy_temp_softcap": ("logp", F32, dict(temperature=0.6, softcap=4.0),
+                                             dict(bias=True, backend="triton")),
+    "triton_lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict(backend="triton")),
 }
 
 
@@ -124,6 +132,7 @@ def _shard(full, rows):
 def _run_case(world, rank, op, dtype, opts, data):
     x, w, b, t, cw, rows, V = _data(world, rank, dtype, data)
     group = dist.group.WORLD
+    backend = data.get("backend", "auto")
     layout = dict(vocab_start=rows[0], vocab_size=V) if data.get("layout") == "given" else {}
     if op == "ce":
         def ours(xo, wo, tt, linear_bias=None, backend="auto", weight=None, **kw):
@@ -134,7 +143,8 @@ def _run_case(world, rank, op, dtype, opts, data):
             _same_on_all_ranks("loss", out)
             return out
 
-        check_against_truth(ours, reference.naive_linear_cross_entropy, x, w, b, t, weight=cw, **opts)
+        check_against_truth(ours, reference.naive_linear_cross_entropy, x, w, b, t, weight=cw, backend=backend,
+                            **opts)
         return
     if op == "ce64":
         xo, wo, bo = leaves(x, w, b)
@@ -152,7 +162,7 @@ def _run_case(world, rank, op, dtype, opts, data):
             if naive:
                 return reference.naive_linear_logsumexp(xx, ww, linear_bias=bb, upcast=upcast, **opts)
             out = logitless.linear_logsumexp(xx, _shard(ww, rows), linear_bias=_shard(bb, rows),
-                                             process_group=group, **opts)
+                                             process_group=group, backend=backend, **opts)
             _same_on_all_ranks("logsumexp", out)
             return (out,)
         outs = {}
@@ -171,7 +181,8 @@ def _run_case(world, rank, op, dtype, opts, data):
                                                        **opts)
                 return out if want_ent else out[:1]
             out = logitless.linear_log_probs(xx, _shard(ww, rows), t, linear_bias=_shard(bb, rows),
-                                             return_entropy=want_ent, process_group=group, **opts)
+                                             return_entropy=want_ent, process_group=group, backend=backend,
+                                             **opts)
             out = out if want_ent else (out,)
             for o in out:
                 _same_on_all_ranks("log_probs/entropy", o)

@@ -51,8 +51,14 @@ class _Layout(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Local compute: one function pair, one implementation per backend. forward returns reference._head_forward's
-# (m, logs, zt, sw, ref, ent) for the shard; backward returns (dx in the accumulation dtype, dw, db).
+# Local compute: one pair of functions, one implementation per backend, with the contract of the launchers of
+# kernels/linear_head.py:
+#   forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy) -> (m, logs, zt, sw, ent) of
+#       the shard, per row in the accumulation dtype; sw = sum_j w_j (z_j - m); None where not asked for.
+#   backward(x, w, b, t_local, class_w, m, logs, (A, B, C, E), softcap, inv_temp, needs) -> (dx in the accumulation
+#       dtype, ready for the all-reduce; dw; db).
+# t_local is the target minus the shard's first row: outside [0, V_r) it is in another shard (no target logit, no
+# one-hot term) -- both implementations treat it so, which the tests check with targets in every shard.
 
 
 class _LocalHead(NamedTuple):
@@ -60,49 +66,81 @@ class _LocalHead(NamedTuple):
     backward: Callable
 
 
+def _empty_shard_forward(x, t_local, want_smooth, want_entropy):
+    # A shard of 0 rows (DTensor's Shard(0) of a small vocabulary over many ranks): no mass, lse_r = -inf.
+    n, acc = x.shape[0], reference._acc(x.dtype)
+    zeros = lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None
+    neg_inf = torch.full((n,), float("-inf"), device=x.device, dtype=acc)
+    return neg_inf, neg_inf.clone(), zeros(t_local is not None), zeros(want_smooth), zeros(want_entropy)
+
+
+def _empty_shard_backward(x, w, b, needs):
+    dx = torch.zeros(x.shape, device=x.device, dtype=reference._acc(x.dtype)) if needs[0] else None
+    return dx, (torch.empty_like(w) if needs[1] else None), (torch.empty_like(b) if needs[2] else None)
+
+
 def _torch_forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy):
     n, v_local = x.shape[0], w.shape[0]
+    if v_local == 0:
+        return _empty_shard_forward(x, t_local, want_smooth, want_entropy)
     acc = reference._acc(x.dtype)
-    if v_local == 0:  # an empty shard (a DTensor Shard(0) of a small vocabulary over many ranks)
-        neg_inf = torch.full((n,), float("-inf"), device=x.device, dtype=acc)
-        zeros = lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None
-        return neg_inf, neg_inf.clone(), zeros(t_local is not None), zeros(want_smooth), zeros(want_smooth), \
-            zeros(want_entropy)
     chunk = lambda i0, i1, v0, v1: reference._linear_chunk(
         x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
     )
-    return reference._head_forward(chunk, n, v_local, x.device, acc, t_local, None, class_w, want_smooth,
-                                   want_entropy)
+    m, logs, zt, sw, ref, ent = reference._head_forward(chunk, n, v_local, x.device, acc, t_local, None, class_w,
+                                                        want_smooth, want_entropy)
+    if sw is not None:
+        # The reference keeps the smoothing sum relative to its first block's max; re-base it on the row max.
+        w_r = class_w.sum() if class_w is not None else float(v_local)
+        sw = sw + w_r * (ref - m)
+    return m, logs, zt, sw, ent
 
 
 def _torch_backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs):
-    acc = reference._acc(x.dtype)
     if w.shape[0] == 0:
-        dx = torch.zeros(x.shape, device=x.device, dtype=acc) if needs[0] else None
-        return dx, (torch.empty_like(w) if needs[1] else None), (torch.empty_like(b) if needs[2] else None)
+        return _empty_shard_backward(x, w, b, needs)
     # Handing the reference an upcast input makes it return dx in float32: the partial sums are all-reduced
     # before the one rounding to the input dtype. Its blocks are upcast anyway, so the math is unchanged.
-    x_acc = x.to(acc) if needs[0] else x
+    x_acc = x.to(reference._acc(x.dtype)) if needs[0] else x
     return reference._linear_head_backward(x_acc, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs)
 
 
+def _triton_forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy):
+    if w.shape[0] == 0:
+        return _empty_shard_forward(x, t_local, want_smooth, want_entropy)
+    from .kernels import linear_head
+
+    cw = None if class_w is None else class_w.float().contiguous()
+    m, logs, zt, sw, ent = linear_head.forward_stats(x, w, b, t_local, cw, softcap=softcap, inv_temp=inv_temp,
+                                                     want_smooth=want_smooth, want_entropy=want_entropy)
+    return m, logs, zt if t_local is not None else None, sw if want_smooth else None, ent if want_entropy else None
+
+
+def _triton_backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs):
+    if w.shape[0] == 0:
+        return _empty_shard_backward(x, w, b, needs)
+    from .kernels import linear_head
+
+    A, B, C, E = (None if c is None else c.float().contiguous() for c in coef)
+    cw = None if class_w is None else class_w.float().contiguous()
+    dx, dw, db = linear_head.backward(x, w, b, t_local, cw, m, logs, A, B, C, E, softcap=softcap,
+                                      inv_temp=inv_temp, need_dx=needs[0], need_dw=needs[1], need_db=needs[2])
+    # The launcher accumulates dx in float32 but returns it in the input dtype: each rank's partial is rounded
+    # once before the float32 all-reduce (the PyTorch path rounds only after it).
+    return (None if dx is None else dx.float()), dw, db
+
+
 _TORCH_LOCAL = _LocalHead(_torch_forward, _torch_backward)
+_TRITON_LOCAL = _LocalHead(_triton_forward, _triton_backward)
 
 
-def _triton_local() -> _LocalHead | None:
-    """The Triton pair, once kernels/linear_head.py has launchers that take targets outside [0, V) as "not in this
-    shard"; None until then."""
-    return None
+def _local_impl(backend: str, x: torch.Tensor, op: str) -> _LocalHead:
+    """The same backend choice as the single-device functions (float64 stays on the PyTorch path under "auto")."""
+    if resolve_backend(backend, x.device, op) == "triton":
+        from .linear_cross_entropy import check_kernel_dtype
 
-
-def _local_impl(backend: str, device, op: str) -> _LocalHead:
-    if resolve_backend(backend, device, op) == "triton":
-        impl = _triton_local()
-        if impl is not None:
-            return impl
-        if backend == "triton":
-            raise NotImplementedError(f"{op}: the vocabulary-parallel path has no Triton implementation yet; use "
-                                      "backend='torch' or 'auto'")
+        if check_kernel_dtype(x, backend):
+            return _TRITON_LOCAL
     return _TORCH_LOCAL
 
 
@@ -131,16 +169,14 @@ class _Global(NamedTuple):
 
 
 def _exchange_stats(stats, *, v_local, t_local, class_w, group: _Group) -> _Global:
-    """Per-shard statistics (m, logs, zt, sw, ref, ent) -> global ones, identical on every rank."""
-    m, logs, zt, sw, ref, ent = stats
+    """Per-shard statistics (m, logs, zt, sw, ent) -> global ones, identical on every rank."""
+    m, logs, zt, sw, ent = stats
     acc = m.dtype
     rows = [m, logs]
     if zt is not None:
         rows.append(zt)
     if sw is not None:
-        w_r = class_w.sum() if class_w is not None else torch.tensor(float(v_local), device=m.device, dtype=acc)
-        # Re-base the smoothing sum on this shard's max (the reference keeps it relative to its first block's).
-        rows.append(sw + w_r * (ref - m) if v_local > 0 else sw)
+        rows.append(sw)
     if ent is not None:
         rows.append(ent)
     if class_w is not None and t_local is not None:
@@ -148,8 +184,9 @@ def _exchange_stats(stats, *, v_local, t_local, class_w, group: _Group) -> _Glob
         w_tr = class_w[t_local.clamp(0, max(v_local - 1, 0))] if v_local > 0 else torch.zeros_like(m)
         rows.append(torch.where(inside, w_tr, torch.zeros_like(w_tr)))
     local = torch.stack(rows).reshape(-1)
-    if sw is not None:
-        local = torch.cat([local, w_r.reshape(1).to(acc)])
+    if sw is not None:  # the shard's sum of class weights (its row count without them) rides along
+        w_r = class_w.sum().reshape(1) if class_w is not None else torch.full((1,), float(v_local), device=m.device)
+        local = torch.cat([local, w_r.to(acc)])
     n = m.shape[0]
     allg = _gather(local, group)  # [P, k * n (+ 1)]
     w_all = allg[:, -1] if sw is not None else None
@@ -501,7 +538,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
                             ignore_index=ignore_index)
     group, x, w, b, cw, lead, layout, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size, weight)
-    impl = _local_impl(backend, x.device, "linear_cross_entropy")
+    impl = _local_impl(backend, x, "linear_cross_entropy")
     cw = None if cw is None else cw.to(reference._acc(x.dtype))
     per_token, w_t = _VocabParallelCrossEntropy.apply(
         x, w, b, t_local, valid, cw, layout.vocab, group, impl, float(label_smoothing), float(z_loss),
@@ -527,7 +564,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     group, x, w, b, _, lead, _, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size)
-    impl = _local_impl(backend, x.device, "linear_log_probs")
+    impl = _local_impl(backend, x, "linear_log_probs")
     logp, ent = _VocabParallelLogProbs.apply(
         x, w, b, t_local, valid, group, impl, None if softcap is None else float(softcap), 1.0 / float(temperature),
         bool(return_entropy),
@@ -549,7 +586,7 @@ def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, te
     _validate.check_options(softcap=softcap, temperature=temperature)
     group, x, w, b, _, lead, _, _, _ = _prepare(
         input, linear_weight, linear_bias, None, -100, process_group, vocab_start, vocab_size)
-    impl = _local_impl(backend, x.device, "linear_logsumexp")
+    impl = _local_impl(backend, x, "linear_logsumexp")
     lse = _VocabParallelLogSumExp.apply(x, w, b, group, impl, None if softcap is None else float(softcap),
                                         1.0 / float(temperature))
     return lse.reshape(lead)
