@@ -11,7 +11,8 @@ median of the repetitions; before each repetition, outside the timed region, the
 pristine copy (in-place providers overwrite them). GB/s counts one read and one write of the logits. Peak extra:
 torch.cuda.max_memory_allocated() during forward + backward above what was allocated before (logits, pristine copy,
 targets); a gradient returned in a new buffer counts. --variants also times the fused forward kernel alone under
-other tile shapes, without the ticket, and the two-launch in-place fallback.
+other tile shapes (columns per tile, warps, tiles per program) and a two-launch in-place variant (statistics, then
+the gradient in a second launch).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def run_shape(N, V, reps, variants, rows):
             loss, g = step()
             e_loss = abs(loss.item() - ref) / abs(ref)
             e_grad = rel(g[:64], g64)
-            ok = e_loss < 1e-3 and e_grad < 2e-2
+            ok = e_loss < 5e-3 and e_grad < 2e-2  # bf16-level errors pass
             check = f"loss {e_loss:.1e} grad {e_grad:.1e}"
             del loss, g
             if not ok:
@@ -146,14 +147,8 @@ def run_shape(N, V, reps, variants, rows):
         opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
         x = work.detach()
 
-        def fused(cfg, tickets=True):
-            def f():
-                kce.USE_TICKETS = tickets
-                try:
-                    return kce.cross_entropy_fwd(x, target, None, None, scale, write_grad=True, config=cfg, **opts)
-                finally:
-                    kce.USE_TICKETS = True
-            return f
+        def fused(cfg):
+            return lambda: kce.cross_entropy_fwd(x, target, None, None, scale, write_grad=True, config=cfg, **opts)
 
         def two_launch(cfg):
             def f():
@@ -162,13 +157,14 @@ def run_shape(N, V, reps, variants, rows):
                 return kce.cross_entropy_bwd(None, x, target, None, None, scale, stats, x, config=cfg, **opts)
             return f
 
-        cands = [("fused 1x4096 w4", fused(kce.Config(1, 4096, 4))),
-                 ("fused 1x8192 w8", fused(kce.Config(1, 8192, 8))),
-                 ("fused 1x8192 w8 no-ticket", fused(kce.Config(1, 8192, 8), tickets=False)),
-                 ("fused 1x8192 w16", fused(kce.Config(1, 8192, 16))),
-                 ("fused 1x16384 w16", fused(kce.Config(1, 16384, 16))),
-                 ("fused 1x16384 w32", fused(kce.Config(1, 16384, 32))),
-                 ("two-launch 1x8192 w8", two_launch(kce.Config(1, 8192, 8))),
+        C = kce.Config
+        cands = [("fused 8192 w8 t4", fused(C(1, 8192, 8, 4))),
+                 ("fused 8192 w8 t2", fused(C(1, 8192, 8, 2))),
+                 ("fused 8192 w8 t1", fused(C(1, 8192, 8, 1))),
+                 ("fused 4096 w4 t4", fused(C(1, 4096, 4, 4))),
+                 ("fused 4096 w4 t8", fused(C(1, 4096, 4, 8))),
+                 ("fused 16384 w16 t2", fused(C(1, 16384, 16, 2))),
+                 ("two-launch 8192 w8", two_launch(C(1, 8192, 8, 1))),
                  ("forward only (default)", lambda: logitless.cross_entropy(x, target, backend="triton"))]
         g_ref = None
         for name, f in cands:

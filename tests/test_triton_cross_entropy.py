@@ -18,8 +18,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 256 elements, so V = 1000 spreads over 4 programs with a ragged last one (the split path)."""
+    """Tiles of 256 columns, two per program: V = 1000 spreads over 2 programs per row, the second one's last tile
+    ragged (the split path: partial statistics merged by the last program, which writes the in-place gradient)."""
     monkeypatch.setattr(kce, "TILE_ELEMS", 256)
+    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", 2)
     monkeypatch.setattr(kce, "MIN_BLOCK_V", 64)
 
 
@@ -71,8 +73,19 @@ GRID = [
 
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID)
 def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w, dtype, inplace):
-    # V = 1000 over tiles of 256: four programs per row, the last one ragged; 25% ignored rows.
-    z, t = make(13, 1000, dtype)
+    # V = 1000: two programs per row (see small_tiles); 25% ignored rows.
+    z, t = make(17, 1000, dtype)
+    cw = (torch.rand(1000, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
+    check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[1::3])
+def test_row_in_one_program(small_tiles, monkeypatch, reduction, smoothing, z_loss, softcap, class_w, dtype,
+                            inplace):
+    # Four tiles per program: one program reads a whole row of V = 1000 in a loop, and writes the in-place gradient
+    # in a second loop.
+    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", 4)
+    z, t = make(17, 1000, dtype)
     cw = (torch.rand(1000, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
     check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 

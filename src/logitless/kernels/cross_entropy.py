@@ -1,19 +1,15 @@
 """Triton kernels for cross-entropy on logits that already exist, and their launchers.
 
-The logits are cut into tiles of BLOCK_N rows x BLOCK_V columns; a row longer than one tile is spread over K tiles,
-each handled by its own program, so small batches still fill the GPU. Every tile computes its partial statistics
-(row max m, sum of exp(z - m), and for label smoothing sum w (z - m) and sum w); the last of a row block's K programs
-to finish (an atomic counter) merges them into the loss and the log-sum-exp, so there is no second launch.
+The logits are cut into tiles of BLOCK_N rows x BLOCK_V columns. In the forward pass each program reads TILES tiles
+along its rows with an online reduction (row max m, sum of exp(z - m), and for label smoothing sum w (z - m) and
+sum w); a row longer than TILES * BLOCK_V is spread over K programs, so small batches still fill the GPU. The last of
+a row block's K programs to finish (an atomic counter; no program ever waits for another) merges the partial
+statistics into the loss and the log-sum-exp, so there is no second launch.
 
-With WRITE_GRAD (``inplace_backward``) the forward also writes d(loss)/d(logits) over the logits in the same launch:
-each program keeps exp(z - m) of its tile in registers, waits until the merge of its row block is published (the
-last program adds one more to the counter), and writes the gradient. The logits are read once and written once.
-Waiting is safe because programs are numbered by an atomic ticket: the tiles of a row block are taken by programs
-that are already running, so only the block holding the newest ticket can be incomplete, and the kernel needs room
-for K programs at once (the launcher keeps K <= the number of SMs, else it falls back to two launches).
-
-The Triton interpreter runs programs one after another, so there the in-place gradient is written by a second
-launch of the backward kernel, whose math (``_grad_tile``) is the one the fused path uses.
+With WRITE_GRAD (``inplace_backward``) that last program then writes d(loss)/d(logits) over the logits of its row
+block: it reads them a second time, but moments after its K programs read them, so the second read comes from L2
+and device memory sees one read and one write of the logits, as a copy does. A row that fits one tile keeps its
+exponentials in registers and is read once.
 
 Notation per row (docs/cross_entropy.md): lse = M + log S, p_j = exp(z_j - lse), and
   dL/dz_j = p_j A - C [j == t] - E w_j,   C = g (1 - eps) w_t,  A = C + g (eps / V) W + 2 g z_loss lse,  E = g eps / V
@@ -135,128 +131,172 @@ def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
 
 
 @triton.jit
+def _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The (softcapped) logit of each row's target, gathered from memory; 0 on ignored rows."""
+    x = tl.load(logits_ptr + rows64 * stride_row + tl.where(valid, t, 0), mask=valid, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = softcap * _tanh(x / softcap, INTERPRET)
+    return x
+
+
+@triton.jit
+def _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_t, M, logS, zt, smooth, eps, z_loss,
+                 V, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """Store the per-row loss (0 on ignored rows), lse and (M, log S)."""
+    loss = (1.0 - eps) * w_t * ((M - zt) + logS)
+    if HAS_SMOOTHING:
+        loss += (eps / V) * smooth
+    lse_row = M + logS
+    if HAS_ZLOSS:
+        loss += z_loss * lse_row * lse_row
+    tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+    tl.store(lse_ptr + rows, lse_row, mask=row_mask)
+    tl.store(stats_ptr + rows64 * 2, M, mask=row_mask)
+    tl.store(stats_ptr + rows64 * 2 + 1, logS, mask=row_mask)
+
+
+@triton.jit
+def _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE: tl.constexpr,
+               HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """(A, C, E) for upstream 1 (times the mean's 1 / denominator when HAS_SCALE)."""
+    g = tl.where(valid, 1.0, 0.0)
+    if HAS_SCALE:
+        g = tl.where(valid, tl.load(scale_ptr), 0.0)  # 1 / 0 = inf when every row is ignored: never multiplied
+    w_sum = 0.0
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w_sum = tl.load(w_sum_ptr)
+        else:
+            w_sum = V * 1.0
+    return _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+
+
+@triton.jit
 def _ce_fwd_kernel(
     # tensors
     logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr,
-    loss_ptr, lse_ptr, stats_ptr, zt_ptr, part_ptr, count_ptr, ticket_ptr,
+    loss_ptr, lse_ptr, stats_ptr, part_ptr, count_ptr,
     # sizes and strides
     N, V, K, stride_row,
     # options
     ignore_index, eps, z_loss, softcap,
     # meta-parameters
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, USE_TICKET: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     NSTAT: tl.constexpr = 4 if HAS_SMOOTHING else 2
-    if USE_TICKET:
-        # Tickets follow the order in which programs actually start (see the module docstring).
-        pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
-    else:
-        pid = tl.program_id(0).to(tl.int64)
-    rb = pid // K
-    kt = pid % K
+    pid = tl.program_id(0).to(tl.int64)
+    rb = pid // K  # row block
+    kt = pid % K  # which TILES * BLOCK_V columns of it
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows64 = rows.to(tl.int64)
-    cols = (kt * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-    col_mask = cols < V
-
-    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                       INTERPRET)
-    m = tl.max(z, axis=1)  # [BLOCK_N]
-    e = tl.exp2((z - m[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
-    s = tl.sum(e, axis=1)
     t, valid, w_t = _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT)
-    hit = cols[None, :] == t[:, None]
-    zt = tl.sum(tl.where(hit, z, 0.0), axis=1)  # target logit if it lies in this tile, else 0
-    if HAS_SMOOTHING:
-        d = tl.where(col_mask[None, :], z - m[:, None], 0.0)
-        if HAS_WEIGHT:
-            w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            sw = tl.sum(d * w[None, :], axis=1)
-            W = tl.sum(w, axis=0) + 0.0 * m
-        else:
-            sw = tl.sum(d, axis=1)
-            W = tl.minimum(V - kt * BLOCK_V, BLOCK_V).to(tl.float32) + 0.0 * m
+
+    # Pass 1: online max / sum of exp (and smoothing sums) over this program's TILES tiles.
+    m_run = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s_run = tl.zeros([BLOCK_N], tl.float32)
+    sw_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j (z_j - m_run)
+    W_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j
+    for i in tl.static_range(TILES):
+        cols = (kt * (TILES * BLOCK_V) + i * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+        col_mask = cols < V
+        z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                           INTERPRET)
+        m_new = tl.maximum(m_run, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V leaves -inf
+        e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
+        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
+        if HAS_SMOOTHING:
+            d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
+            if HAS_WEIGHT:
+                w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                sw_t = tl.sum(d * w[None, :], axis=1)
+                W_t = tl.sum(w, axis=0)
+            else:
+                sw_t = tl.sum(d, axis=1)
+                W_t = tl.sum(col_mask.to(tl.float32), axis=0)
+            sw_run = tl.where(W_run > 0, sw_run + W_run * (m_run - m_safe), 0.0) + sw_t
+            W_run += W_t
+        m_run = m_new
 
     if SPLIT:
         pbase = part_ptr + (rows64 * K + kt) * NSTAT
-        tl.store(pbase, m, mask=row_mask)
-        tl.store(pbase + 1, s, mask=row_mask)
+        tl.store(pbase, m_run, mask=row_mask)
+        tl.store(pbase + 1, s_run, mask=row_mask)
         if HAS_SMOOTHING:
-            tl.store(pbase + 2, sw, mask=row_mask)
-            tl.store(pbase + 3, W, mask=row_mask)
-        in_tile = valid & (t >= kt * BLOCK_V) & (t < kt * BLOCK_V + BLOCK_V)
-        tl.store(zt_ptr + rows, zt, mask=in_tile)
+            tl.store(pbase + 2, sw_run, mask=row_mask)
+            tl.store(pbase + 3, W_run, mask=row_mask)
         # Every thread's stores above happen before the release below (the barrier orders them within the program).
         tl.debug_barrier()
         prev = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel")
         if prev == K - 1:
-            # Last program of this row block: merge the K partial statistics.
+            # Last program of this row block to finish: merge the K partial statistics.
             ks = tl.arange(0, K_POW2)
             pmask = row_mask[:, None] & (ks < K)[None, :]
             pk = part_ptr + (rows64[:, None] * K + ks[None, :]) * NSTAT
             mk = tl.load(pk, mask=pmask, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_N, K_POW2]
             sk = tl.load(pk + 1, mask=pmask, other=0.0, cache_modifier=".cg")
-            M = tl.max(mk, axis=1)
-            M = tl.where(row_mask, M, 0.0)
+            M = tl.where(row_mask, tl.max(mk, axis=1), 0.0)
             S = tl.sum(sk * tl.exp2((mk - M[:, None]) * LOG2E), axis=1)
             logS = tl.log(tl.where(row_mask, S, 1.0))
-            zt_row = tl.load(zt_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
-            loss = (1.0 - eps) * w_t * ((M - zt_row) + logS)
+            smooth = logS * 0.0
             if HAS_SMOOTHING:
                 swk = tl.load(pk + 2, mask=pmask, other=0.0, cache_modifier=".cg")
                 Wk = tl.load(pk + 3, mask=pmask, other=0.0, cache_modifier=".cg")
-                # sum_j w_j (lse - z_j), each term >= 0: no cancellation
+                # sum_j w_j (lse - z_j), every term >= 0: no cancellation
                 smooth = tl.sum(tl.where(pmask, Wk * ((M[:, None] - mk) + logS[:, None]) - swk, 0.0), axis=1)
-                loss += (eps / V) * smooth
-            lse_row = M + logS
-            if HAS_ZLOSS:
-                loss += z_loss * lse_row * lse_row
-            tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
-            tl.store(lse_ptr + rows, lse_row, mask=row_mask)
-            tl.store(stats_ptr + rows64 * 2, M, mask=row_mask)
-            tl.store(stats_ptr + rows64 * 2 + 1, logS, mask=row_mask)
+            # No program has written this row block yet: the target logits are still in memory.
+            zt = _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+            _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_t, M, logS, zt, smooth, eps,
+                         z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
             if WRITE_GRAD:
-                tl.debug_barrier()
-                tl.atomic_add(count_ptr + rb, 1, sem="release")  # publish: the counter reaches K + 1
-        if WRITE_GRAD:
-            cnt = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
-            while cnt < K + 1:
-                cnt = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
-            M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0, cache_modifier=".cg")
-            logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg")
+                # Pass 2 over the whole row block, read again while it is still in L2 (its K programs read it
+                # moments ago); other programs never wait, so there is no inter-program dependency to deadlock on.
+                A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
+                                     HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
+                for j in range(0, tl.cdiv(V, BLOCK_V)):
+                    cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+                    col_mask = cols < V
+                    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
+                                       HAS_SOFTCAP, INTERPRET)
+                    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
+                    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT,
+                                    HAS_SMOOTHING, HAS_SOFTCAP)
+                    tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                             _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
+                             mask=row_mask[:, None] & col_mask[None, :])
     else:
-        M = tl.where(row_mask, m, 0.0)
-        logS = tl.log(tl.where(row_mask, s, 1.0))
-        loss = (1.0 - eps) * w_t * ((M - zt) + logS)
-        if HAS_SMOOTHING:
-            loss += (eps / V) * (W * logS - sw)
-        lse_row = M + logS
-        if HAS_ZLOSS:
-            loss += z_loss * lse_row * lse_row
-        tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
-        tl.store(lse_ptr + rows, lse_row, mask=row_mask)
-        tl.store(stats_ptr + rows64 * 2, M, mask=row_mask)
-        tl.store(stats_ptr + rows64 * 2 + 1, logS, mask=row_mask)
-
-    if WRITE_GRAD:
-        g = tl.where(valid, 1.0, 0.0)
-        if HAS_SCALE:
-            g = tl.where(valid, tl.load(scale_ptr), 0.0)  # 1 / 0 = inf when every row is ignored: never multiplied
-        w_sum = 0.0
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w_sum = tl.load(w_sum_ptr)
+        M = tl.where(row_mask, m_run, 0.0)
+        logS = tl.log(tl.where(row_mask, s_run, 1.0))
+        zt = _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+        _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_t, M, logS, zt,
+                     W_run * logS - sw_run, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+        if WRITE_GRAD:
+            A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
+                                 HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
+            if TILES == 1:
+                # The whole row is in registers: p_j = exp(z_j - M) / S reuses pass 1's exponentials.
+                pa = e * (A * tl.exp2(-logS * LOG2E))[:, None]
+                dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
+                                HAS_SOFTCAP)
+                tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                         _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
+                         mask=row_mask[:, None] & col_mask[None, :])
             else:
-                w_sum = V * 1.0
-        A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
-        # p_j = exp(z_j - m) * exp((m - M) - log S): reuses this tile's exponentials
-        pa = e * (A * tl.exp2(((m - M) - logS) * LOG2E))[:, None]
-        dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
-        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+                for j in range(0, TILES):
+                    cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+                    col_mask = cols < V
+                    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
+                                       HAS_SOFTCAP, INTERPRET)
+                    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
+                    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT,
+                                    HAS_SMOOTHING, HAS_SOFTCAP)
+                    tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                             _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
+                             mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -346,17 +386,17 @@ def _ce_scale_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration
 
-# Elements per program tile; see _config.
+# Columns per tile, tiles per program (pass 1 reads TILES * BLOCK_V columns of a row), smallest tile; see _config.
 TILE_ELEMS = 8192
+TILES_PER_PROGRAM = 4
 MIN_BLOCK_V = 1024
-# Number split tiles by an atomic ticket (start order) rather than by program id; see the module docstring.
-USE_TICKETS = True
 
 
 class Config(NamedTuple):
-    block_n: int
-    block_v: int
+    block_n: int  # rows per tile
+    block_v: int  # columns per tile
     num_warps: int
+    tiles: int = 1  # tiles per program in the forward pass
 
 
 @functools.cache
@@ -371,19 +411,25 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _config(N: int, V: int, device: torch.device, tile_elems: int | None = None) -> Config:
-    """Tile shape for (N, V): one tile of up to TILE_ELEMS elements per program; long rows are split over several
-    programs, and rows are split finer when there are too few programs to fill the device (small N)."""
-    tile = tile_elems or TILE_ELEMS
+def _config(N: int, V: int, device: torch.device) -> Config:
+    """Tiles of up to TILE_ELEMS elements; a program reads TILES_PER_PROGRAM of them along a row in pass 1, so a long
+    row is split over several programs. With too few programs to fill the device (small N), fewer tiles per program,
+    then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
     n_sm = num_sms(device)
-    block_v = min(triton.next_power_of_2(V), tile)
-    while block_v > MIN_BLOCK_V and N * triton.cdiv(V, block_v) < 4 * n_sm:
-        block_v //= 2
-    block_n = max(1, min(tile // block_v, triton.next_power_of_2(N)))
-    while block_n > 1 and triton.cdiv(N, block_n) * triton.cdiv(V, block_v) < 4 * n_sm:
+    block_v = min(triton.next_power_of_2(V), TILE_ELEMS)
+    tiles = max(1, min(TILES_PER_PROGRAM, triton.cdiv(V, block_v)))
+    while N * triton.cdiv(V, block_v * tiles) < 4 * n_sm:
+        if tiles > 1:
+            tiles //= 2
+        elif block_v > MIN_BLOCK_V:
+            block_v //= 2
+        else:
+            break
+    block_n = max(1, min(TILE_ELEMS // block_v, triton.next_power_of_2(N)))
+    while block_n > 1 and triton.cdiv(N, block_n) * triton.cdiv(V, block_v * tiles) < 4 * n_sm:
         block_n //= 2
     num_warps = max(4, min(16, block_n * block_v // 1024))
-    return Config(block_n, block_v, num_warps)
+    return Config(block_n, block_v, num_warps, tiles)
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -418,35 +464,26 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     if N == 0:
         return loss, lse, stats
     cfg = config or _config(N, V, dev)
-    K = triton.cdiv(V, cfg.block_v)
-    interpret = _dispatch.interpreter_enabled() and dev.type != "cuda"
-    # Fused in-place needs the K programs of a row block resident together, and a real GPU (see module docstring).
-    fused = write_grad and not interpret and K <= num_sms(dev)
+    K = triton.cdiv(V, cfg.block_v * cfg.tiles)
     n_blocks = triton.cdiv(N, cfg.block_n)
     split = K > 1
     if split:
         nstat = 4 if label_smoothing > 0.0 else 2
         part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
-        zt = torch.empty(N, device=dev, dtype=torch.float32)
-        counters = torch.zeros(n_blocks + 1, device=dev, dtype=torch.int32)  # per row block, then the ticket
-        count, ticket = counters[:n_blocks], counters[n_blocks:]
+        count = torch.zeros(n_blocks, device=dev, dtype=torch.int32)
     else:
-        part = zt = count = ticket = loss
+        part = count = loss  # not read
     _ce_fwd_kernel[(n_blocks * K,)](
         logits, target, class_w if class_w is not None else loss, w_sum if w_sum is not None else loss,
         scale if scale is not None else loss,
-        loss, lse, stats, zt, part, count, ticket,
+        loss, lse, stats, part, count,
         N, V, K, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, K_POW2=triton.next_power_of_2(K), SPLIT=split,
-        HAS_SCALE=scale is not None, WRITE_GRAD=fused, USE_TICKET=split and USE_TICKETS,
-        INTERPRET=_interpreting(logits),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, TILES=cfg.tiles, K_POW2=triton.next_power_of_2(K), SPLIT=split,
+        HAS_SCALE=scale is not None, WRITE_GRAD=bool(write_grad), INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
-    if write_grad and not fused:
-        cross_entropy_bwd(None, logits, target, class_w, w_sum, scale, stats, logits, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, config=cfg)
     return loss, lse, stats
 
 
