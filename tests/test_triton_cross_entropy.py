@@ -79,12 +79,14 @@ def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w,
     check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
+@pytest.mark.parametrize("tiles", [2, 4])
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[1::3])
-def test_row_in_one_program(small_tiles, monkeypatch, reduction, smoothing, z_loss, softcap, class_w, dtype,
-                            inplace):
-    # Four tiles per program: one program reads a whole row of V = 1000 in a loop, and writes the in-place gradient
-    # in a second loop.
-    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", 4)
+def test_fused_second_read(small_tiles, monkeypatch, tiles, reduction, smoothing, z_loss, softcap, class_w, dtype,
+                           inplace):
+    # The forward kernel writes the in-place gradient of long rows itself (off by default, see FUSE_SECOND_READ):
+    # with 2 tiles per program the last of a row's 2 programs does it; with 4, one program reads the whole row.
+    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", tiles)
+    monkeypatch.setattr(kce, "FUSE_SECOND_READ", True)
     z, t = make(17, 1000, dtype)
     cw = (torch.rand(1000, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
     check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)

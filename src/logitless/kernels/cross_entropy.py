@@ -6,10 +6,11 @@ sum w); a row longer than TILES * BLOCK_V is spread over K programs, so small ba
 a row block's K programs to finish (an atomic counter; no program ever waits for another) merges the partial
 statistics into the loss and the log-sum-exp, so there is no second launch.
 
-With WRITE_GRAD (``inplace_backward``) that last program then writes d(loss)/d(logits) over the logits of its row
-block: it reads them a second time, but moments after its K programs read them, so the second read comes from L2
-and device memory sees one read and one write of the logits, as a copy does. A row that fits one tile keeps its
-exponentials in registers and is read once.
+With ``inplace_backward`` the gradient d(loss)/d(logits) is written over the logits. A row that fits one tile keeps
+its exponentials in registers and is written back by the same program (WRITE_GRAD): one read and one write. A longer
+row is written by a second launch (_ce_bwd_kernel with out = logits): two reads and one write, since the gradient
+needs the row's final log-sum-exp. WRITE_GRAD on a split row has the last program of the row block re-read it from
+L2 and write it, with no inter-program waiting; it is correct and tested but measured slower (FUSE_SECOND_READ).
 
 Notation per row (docs/cross_entropy.md): lse = M + log S, p_j = exp(z_j - lse), and
   dL/dz_j = p_j A - C [j == t] - E w_j,   C = g (1 - eps) w_t,  A = C + g (eps / V) W + 2 g z_loss lse,  E = g eps / V
@@ -390,6 +391,11 @@ def _ce_scale_kernel(
 TILE_ELEMS = 8192
 TILES_PER_PROGRAM = 4
 MIN_BLOCK_V = 1024
+# Write the in-place gradient of a row longer than one tile from the forward kernel (its last program re-reads the
+# row from L2) instead of a second launch. Off: on an H200 (bf16, 16384 x 128256 and 8192 x 256000, forward +
+# backward) it took 7.5 / 5.7 ms against 3.6 / 3.5 ms for the second launch and 2.0 ms for a copy of the logits: the
+# whole second pass of a row runs in one program, one tile at a time. scripts/gpu_cross_entropy.py --variants.
+FUSE_SECOND_READ = False
 
 
 class Config(NamedTuple):
@@ -467,6 +473,9 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     K = triton.cdiv(V, cfg.block_v * cfg.tiles)
     n_blocks = triton.cdiv(N, cfg.block_n)
     split = K > 1
+    # A row in registers is written back in the same pass; a longer row is written by a second launch unless
+    # FUSE_SECOND_READ (see there).
+    fused = write_grad and ((not split and cfg.tiles == 1) or FUSE_SECOND_READ)
     if split:
         nstat = 4 if label_smoothing > 0.0 else 2
         part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
@@ -480,10 +489,13 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
         N, V, K, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, TILES=cfg.tiles, K_POW2=triton.next_power_of_2(K), SPLIT=split,
-        HAS_SCALE=scale is not None, WRITE_GRAD=bool(write_grad), INTERPRET=_interpreting(logits),
+        HAS_SCALE=scale is not None, WRITE_GRAD=bool(fused), INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
+    if write_grad and not fused:
+        cross_entropy_bwd(None, logits, target, class_w, w_sum, scale, stats, logits, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, config=cfg)
     return loss, lse, stats
 
 
