@@ -64,14 +64,15 @@ CASES = {
     "lse_f32_temp_softcap": ("lse", F32, dict(temperature=1.7, softcap=4.0), dict(bias=True, scale=3.0)),
     "lse_bf16": ("lse", BF16, dict(), dict(bias=True, scale=3.0)),
     "lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict()),
-    # The local pass through the Triton kernels (the interpreter on CPU): targets of other shards are shifted
-    # outside [0, V_r), which the launchers must treat as "not here".
+    # The local pass through the Triton kernels (the interpreter on CPU, so 2 ranks only): targets of other shards
+    # are shifted outside [0, V_r), below 0 on rank 1 and past V_r on rank 0, which the launchers must skip.
     "triton_ce_bf16_none_all_options": ("ce", BF16, dict(reduction="none", **ALL_CE),
-                                        dict(bias=True, class_w=True, backend="triton")),
-    "triton_ce_f32_mean_smoothing": ("ce", F32, dict(label_smoothing=0.2), dict(class_w=True, backend="triton")),
+                                        dict(bias=True, class_w=True, backend="triton", worlds=(2,))),
+    "triton_ce_f32_mean_smoothing": ("ce", F32, dict(label_smoothing=0.2),
+                                     dict(class_w=True, backend="triton", worlds=(2,))),
     "triton_logp_f32_entropy_temp_softcap": ("logp", F32, dict(temperature=0.6, softcap=4.0),
-                                             dict(bias=True, backend="triton")),
-    "triton_lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict(backend="triton")),
+                                             dict(bias=True, backend="triton", worlds=(2,))),
+    "triton_lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict(backend="triton", worlds=(2,))),
 }
 
 
@@ -360,7 +361,8 @@ def _worker(rank, world, port, outdir, group):
                             timeout=datetime.timedelta(seconds=90))
     torch.set_num_threads(1)
     if group == "grid":
-        jobs = {name: functools.partial(_run_case, world, rank, *spec) for name, spec in CASES.items()}
+        jobs = {name: functools.partial(_run_case, world, rank, *spec) for name, spec in CASES.items()
+                if world in spec[3].get("worlds", (world,))}
         jobs["errors"] = functools.partial(_run_errors, world, rank)
         if world == 3:
             jobs["dtensor_tp"] = functools.partial(_dtensor_tp, world, rank)
@@ -408,8 +410,7 @@ def _assert_ok(group, world, name):
         assert res[name] == "ok", f"rank {rank} of {world}:\n{res[name]}"
 
 
-@pytest.mark.parametrize("world", (2, 3))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,world", [(c, w) for c, spec in CASES.items() for w in spec[3].get("worlds", (2, 3))])
 def test_matches_single_process(case, world):
     _assert_ok("grid", world, case)
 

@@ -281,13 +281,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logp = torch.where(valid, (g.zt - g.m) - g.logs, zero)
         ent = torch.where(valid, g.ent, zero) if g.ent is not None else zero.clone()
         ctx.save_for_backward(x, w, b, t_local, valid, g.m, g.logs, ent)
-        ctx.opts = (group, impl, softcap, inv_temp)
+        ctx.opts = (group, impl, softcap, inv_temp, want_entropy)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         x, w, b, t_local, valid, m, logs, ent = ctx.saved_tensors
-        group, impl, softcap, inv_temp = ctx.opts
+        group, impl, softcap, inv_temp, want_entropy = ctx.opts
+        if not want_entropy:  # the zeros autograd materialised for the unused output: no B term
+            grad_ent = None
         coef = reference.log_probs_backward_coef(grad_logp, grad_ent, m + logs, ent, valid)
         dx, dw, db = _finish_backward(ctx, impl, group, x, w, b, t_local, None, m, logs, coef, softcap, inv_temp)
         return dx, dw, db, None, None, None, None, None, None, None
@@ -379,7 +381,8 @@ def _local_shard(t, name: str, group: _Group):
     Sharded over other mesh dimensions (FSDP2's sharded parameter used outside its module's forward), it is
     gathered there; the gradient goes back reduce-scattered and divided by those dimensions' size, i.e. averaged
     over the data-parallel ranks as FSDP2 averages. A DTensor on a mesh without the vocabulary dimension holds this
-    rank's whole shard: the same gathering applies.
+    rank's whole shard: the same gathering applies. Replicated over those dimensions, it is used as is (its
+    data-parallel wrapper reduces the gradient).
     """
     if t is None or not _is_dtensor(t):
         return t, None
