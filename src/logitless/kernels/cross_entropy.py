@@ -356,32 +356,30 @@ def _ce_scale_kernel(
     # tensors
     buf_ptr, grad_ptr,
     # sizes and strides
-    N, V, stride_row, num_tiles, tiles_v,
+    N, V, stride_row, n_row_blocks,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_PER_ROW: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """buf *= upstream gradient, skipping (on the device) every tile whose rows all have upstream exactly 1: the
-    usual backward of an in-place forward then moves no data."""
-    if GRAD_PER_ROW:
-        g_all = 0.0
-    else:
-        g_all = tl.load(grad_ptr).to(tl.float32)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        rows = (tile // tiles_v) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
-        rows64 = rows.to(tl.int64)
-        cols = ((tile % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-        if GRAD_PER_ROW:
-            g = tl.load(grad_ptr + rows, mask=row_mask, other=1.0).to(tl.float32)
-        else:
-            g = g_all + tl.zeros([BLOCK_N], dtype=tl.float32)
-        # g != 1 is also true for NaN, which must propagate
-        todo = tl.sum(tl.where(g != 1.0, 1, 0), axis=0)
-        if todo > 0:
-            mask = row_mask[:, None] & (cols < V)[None, :]
-            ptrs = buf_ptr + rows64[:, None] * stride_row + cols[None, :]
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, _cast_out(x * g[:, None], buf_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    """buf *= upstream gradient, skipping (on the device) every row block whose upstream is exactly 1 (all of them,
+    after one check, for a scalar upstream): the usual backward of an in-place forward then moves no data."""
+    g_all = tl.load(grad_ptr).to(tl.float32)
+    # g != 1 is also true for NaN, which must propagate
+    if GRAD_PER_ROW or g_all != 1.0:
+        for rb in range(tl.program_id(0), n_row_blocks, tl.num_programs(0)):
+            rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
+            rows64 = rows.to(tl.int64)
+            if GRAD_PER_ROW:
+                g = tl.load(grad_ptr + rows, mask=row_mask, other=1.0).to(tl.float32)
+            else:
+                g = g_all + tl.zeros([BLOCK_N], dtype=tl.float32)
+            if tl.sum(tl.where(g != 1.0, 1, 0), axis=0) > 0:
+                for j in range(0, tl.cdiv(V, BLOCK_V)):
+                    cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+                    mask = row_mask[:, None] & (cols < V)[None, :]
+                    ptrs = buf_ptr + rows64[:, None] * stride_row + cols[None, :]
+                    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(ptrs, _cast_out(x * g[:, None], buf_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -534,12 +532,11 @@ def scale_rows_(buf, grad, config: Config | None = None):
     if N == 0:
         return buf
     cfg = config or _config(N, V, buf.device)
-    tiles_v = triton.cdiv(V, cfg.block_v)
-    num_tiles = triton.cdiv(N, cfg.block_n) * tiles_v
-    # A few programs per SM, each looping over tiles: when nothing is to be scaled the launch costs microseconds.
-    grid = (min(num_tiles, 8 * num_sms(buf.device)),)
+    n_row_blocks = triton.cdiv(N, cfg.block_n)
+    # A few programs per SM, each looping over row blocks: when nothing is to be scaled the launch costs microseconds.
+    grid = (min(n_row_blocks, 8 * num_sms(buf.device)),)
     _ce_scale_kernel[grid](
-        buf, grad, N, V, buf.stride(0), num_tiles, tiles_v,
+        buf, grad, N, V, buf.stride(0), n_row_blocks,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, GRAD_PER_ROW=grad.dim() == 1,
         INTERPRET=_interpreting(buf), num_warps=cfg.num_warps,
     )
