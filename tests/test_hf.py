@@ -208,6 +208,19 @@ def test_outputs_pass_through_and_return_dict():
     torch.testing.assert_close(as_tuple[0], ours.loss, rtol=0, atol=0)
 
 
+def test_gradient_checkpointing():
+    # The backbone's own checkpointing keeps working under the fused loss.
+    kw = batch()
+    models = [model_copy("llama", torch.float64), model_copy("llama"), model_copy("llama", patched=True)]
+    for m in models:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    (truth, g_truth), (stock, g_stock), (ours, g_ours) = (run(m, kw) for m in models)
+    assert ours.logits is None
+    assert_within_rule("loss", ours.loss, stock.loss, truth.loss)
+    for pname in g_truth:
+        assert_within_rule(pname, g_ours[pname], g_stock[pname], g_truth[pname])
+
+
 def test_without_labels_or_in_eval_it_is_the_stock_forward():
     kw = batch()
     nolabels = {k: v for k, v in kw.items() if k != "labels"}
