@@ -41,6 +41,10 @@ _LOGIT_SCALES = {
     "falcon_h1": ("lm_head_multiplier", True),
 }
 _DEFAULT_MAX_LENGTH = 4096
+# Documents are sorted by length (less padding) within buffers of this many documents or characters: enough to
+# fill batches well, small enough that output streams and a buffer's token ids (Python lists) stay ~100s of MB.
+_BUFFER_DOCS = 1024
+_BUFFER_CHARS = 1 << 23
 
 
 class ScoreError(Exception):
@@ -121,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     except ScoreError as e:
         print(f"logitless score: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print("logitless score: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -415,13 +425,15 @@ def _window_plan(args, model: _Model) -> tuple[int, int]:
     return window, stride
 
 
-def _buffers(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
-    buf = []
+def _buffers(docs: Iterator[Document], max_docs: int, max_chars: int) -> Iterator[list[Document]]:
+    """Groups of documents, each as large as `max_docs` documents or `max_chars` characters allow."""
+    buf, chars = [], 0
     for d in docs:
         buf.append(d)
-        if len(buf) == size:
+        chars += len(d.text)
+        if len(buf) == max_docs or chars >= max_chars:
             yield buf
-            buf = []
+            buf, chars = [], 0
     if buf:
         yield buf
 
@@ -491,19 +503,18 @@ def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int,
     """Score every document, writing its line as soon as it and all documents before it are done."""
     from tqdm import tqdm
 
-    # Sorting by length inside a buffer of documents removes most padding and keeps the output streaming.
-    buffer_size = max(1024, 32 * args.batch_size)
+    max_docs = max(_BUFFER_DOCS, 4 * args.batch_size)
     total = _count_documents(args.files, args.format)
     n_docs = n_tokens = 0
     logp_sum = 0.0
     with tqdm(total=total, unit="doc", desc="scoring", file=sys.stderr, disable=args.quiet, dynamic_ncols=True) as bar:
-        for buf in _buffers(_all_documents(args), buffer_size):
+        for buf in _buffers(_all_documents(args), max_docs, _BUFFER_CHARS):
             for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar):
                 out.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+                out.flush()
                 n_docs += 1
                 n_tokens += rec["num_tokens"]
                 logp_sum += doc_sum
-            out.flush()
     return n_docs, n_tokens, -logp_sum
 
 
