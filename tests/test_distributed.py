@@ -442,6 +442,31 @@ def test_fsdp2_with_tensor_parallel_head(kind):
     _assert_ok("parallel", 4, kind)
 
 
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_local_pass_treats_targets_of_other_shards_as_absent(backend):
+    # The local pass sees targets shifted by the shard's first row: below 0 or at / past V_r they belong to another
+    # shard and must give neither a target logit nor a one-hot gradient term (a kernel that clamps its column
+    # index would pick up the first or last column instead). Both edges, and far outside, on one process.
+    impl = logitless.distributed._TORCH_LOCAL if backend == "torch" else logitless.distributed._TRITON_LOCAL
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b, _ = (a.to(dev) for a in make_case(F32, n=37, d=45, v=300, bias=True))
+    edges = [-1, 0, 299, 300, 301, -300, 599, 600, 10**6, -(10**6)]
+    t = torch.tensor(edges * 3 + [5, 150, 298, 1, 2, 3, 4], device=dev)
+    m, logs, zt, _, _ = impl.forward(x, w, b, t, None, None, 1.0, False, False)
+    z = x.double() @ w.double().T + b.double()
+    inside = (t >= 0) & (t < 300)
+    zt_ref = torch.where(inside, z.gather(1, t.clamp(0, 299)[:, None])[:, 0], torch.zeros_like(z[:, 0]))
+    torch.testing.assert_close(zt.double(), zt_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((m + logs).double(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
+    # Only the one-hot term: dL/dz = -[j == t] (A = 0, C = 1).
+    ones = torch.ones(37, device=dev)
+    dx, dw, db = impl.backward(x, w, b, t, None, m, logs, (ones * 0, None, ones, None), None, 1.0, (True, True, True))
+    dz = -torch.nn.functional.one_hot(t.clamp(0, 299), 300).double() * inside[:, None]
+    torch.testing.assert_close(dx.double(), dz @ w.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dz.T @ x.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.double(), dz.sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_needs_initialised_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
