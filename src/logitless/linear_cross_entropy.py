@@ -53,16 +53,15 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
     """(dx, dW, db) for dL/dz_j = p_j (A + B z_j) - C [j == t] - E w_j; a gradient not asked for is empty."""
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                      inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-    empty = x.new_empty(0)
-    return (dx if dx is not None else empty, dw if dw is not None else empty, db if db is not None else empty)
+    # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
+    return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
 
 
 @_grad_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db):
-    empty = x.new_empty(0)
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else empty
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else empty
-    db = torch.empty_like(bias) if need_db and bias is not None else empty
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, dw, db
 
 
