@@ -180,17 +180,16 @@ def run_variants(reps):
     head = data.uniform(N, D, V, device="cuda")
     base = lh._GPU_CONFIG
     fwd_variants = {
-        "128x128x64 w8 s3": base,
-        "128x256x64 w8 s3": base._replace(block_v=256),
-        "128x128x64 w4 s4": base._replace(fwd_warps=4, fwd_stages=4),
-        "128x256x64 w8 s4": base._replace(block_v=256, fwd_stages=4),
-        "64x256x64 w4 s4": base._replace(block_n=64, block_v=256, fwd_warps=4, fwd_stages=4),
+        "128x256x64 w8 s3 (default)": base,
+        "256x128x64 w8 s3": base._replace(block_n=256, block_v=128),
+        "128x256x64 w8 s4 g16": base._replace(fwd_stages=4, group=16),
+        "128x256x64 w8 s3 waves4": base._replace(waves=4),
     }
     grad_variants = {
-        "128x128x64 w8 s3": base,
-        "128x256x64 w8 s3": base._replace(block_d=256),
-        "128x128x64 w4 s4": base._replace(grad_warps=4, grad_stages=4),
-        "128x256x64 w8 s4": base._replace(block_d=256, grad_stages=4),
+        "128x256x64 w8 s4 (default)": base,
+        "256x128x64 w8 s4": base._replace(block_m=256, block_d=128),
+        "128x256x64 w8 s3": base._replace(grad_stages=3),
+        "128x128x64 w8 s4": base._replace(block_d=128),
     }
     x, w, t = head.input, head.weight, head.target
     xl, wl = leaf(x), leaf(w)
@@ -253,6 +252,36 @@ def run_extra():
     return out
 
 
+def kernel_resources():
+    """Registers, spills and shared memory of every compiled linear-head kernel (Triton's cache; best effort)."""
+    for name in ("_fwd_kernel", "_dz_kernel", "_dgrad_kernel"):
+        fn = getattr(lh, name)
+        try:
+            for cache in fn.device_caches.values():
+                for k in cache[0].values():
+                    print(f"  {name}: regs {k.n_regs}, spills {k.n_spills}, shared {k.metadata.shared} B, "
+                          f"warps {k.metadata.num_warps}, stages {k.metadata.num_stages}", flush=True)
+        except Exception as e:
+            print(f"  {name}: resources unavailable ({e!r})")
+
+
+def run_profile(shape):
+    N, D, V = SHAPES[shape]
+    head = data.uniform(N, D, V, device="cuda")
+    xl, wl = leaf(head.input), leaf(head.weight)
+
+    def step():
+        return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, head.target, backend="triton"), (xl, wl))
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"  profile {shape} uniform, forward + backward:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=40))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -261,6 +290,7 @@ def main():
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--profile", default="", help="comma-separated shapes to profile (kernel times)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="checks only, at a tiny shape on the CPU interpreter")
     a = ap.parse_args()
@@ -299,6 +329,12 @@ def main():
                 traceback.print_exc()
                 failures.append(f"{tag} crashed")
             torch.cuda.empty_cache()
+    kernel_resources()
+    for shape in filter(None, a.profile.split(",")):
+        try:
+            run_profile(shape)
+        except Exception:
+            traceback.print_exc()
     if a.variants:
         try:
             results["variants"] = run_variants(a.reps)

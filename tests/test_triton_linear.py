@@ -17,14 +17,22 @@ from tests.helpers import assert_within_rule, check_against_truth, grads, leaves
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def case(*args, **kw):
+    """tests.helpers.make_case on the device the kernels run on."""
+    return tuple(None if a is None else a.to(DEV) for a in make_case(*args, **kw))
+
+
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(lh, "DEBUG_POISON", True)
 
 
 def lce_check(x, w, b, t, **kw):
+    up = None
+    if kw.get("reduction") == "none":  # a random upstream gradient, made on the kernels' device
+        up = torch.randn(t.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
-                        backend="triton", **kw)
+                        upstream=up, backend="triton", **kw)
 
 
 # (reduction, ignored fraction, label smoothing, z-loss, softcap, bias, class weights, dtype): a covering set rather
@@ -47,8 +55,8 @@ GRID = [
 
 @pytest.mark.parametrize("reduction,ignore_frac,smoothing,z_loss,softcap,bias,class_w,dtype", GRID)
 def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, class_w, dtype):
-    x, w, b, t = make_case(dtype, bias=bias, ignore_frac=ignore_frac, scale=3.0)
-    cw = torch.rand(300, generator=torch.Generator().manual_seed(2)) + 0.5 if class_w else None
+    x, w, b, t = case(dtype, bias=bias, ignore_frac=ignore_frac, scale=3.0)
+    cw = (torch.rand(300, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
     lce_check(x, w, b, t, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss,
               softcap=softcap)
 
@@ -58,7 +66,7 @@ def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, c
 def test_peaked_and_uniform_data(kind, dtype):
     # The two synthetic heads of the benchmark: a peaked softmax (most tiles hold tiny probabilities) and a
     # near-uniform one (every class matters).
-    head = data.make_head(kind, 37, 45, 300, dtype=dtype, seed=5)
+    head = data.make_head(kind, 37, 45, 300, dtype=dtype, seed=5, device=DEV)
     t = head.target.clone()
     t[::4] = -100
     lce_check(head.input, head.weight, None, t, label_smoothing=0.05)
@@ -71,10 +79,10 @@ def test_extreme_logits(dtype):
     # bias offset), so both sides round z the same way; a 3000x input scale would make the gradient hinge on the
     # last bit of a few near-tied logits, i.e. on which BLAS the reference happens to use.
     if dtype == torch.float32:
-        x, w, b, t = make_case(dtype, scale=3.0, bias=True)
+        x, w, b, t = case(dtype, scale=3.0, bias=True)
         b = b + 1e4
     else:
-        x, w, b, t = make_case(dtype, scale=3000.0 if dtype == torch.bfloat16 else 300.0, bias=True)
+        x, w, b, t = case(dtype, scale=3000.0 if dtype == torch.bfloat16 else 300.0, bias=True)
     lce_check(x, w, b, t, label_smoothing=0.1, z_loss=1e-6)
 
 
@@ -95,7 +103,7 @@ def run_log_probs(x, w, b, t, naive=False, upcast=True, **kw):
     (4.0, 1.7, True, torch.float16),
 ])
 def test_log_probs_and_entropy(softcap, temperature, bias, dtype):
-    x, w, b, t = make_case(dtype, bias=bias, ignore_frac=0.3, scale=3.0)
+    x, w, b, t = case(dtype, bias=bias, ignore_frac=0.3, scale=3.0)
     kw = dict(softcap=softcap, temperature=temperature)
     (lp, ent), ins = run_log_probs(x, w, b, t, **kw)
     (lp_t, ent_t), ins_t = run_log_probs(x, w, b, t, naive=True, upcast=False, **kw)
@@ -106,7 +114,7 @@ def test_log_probs_and_entropy(softcap, temperature, bias, dtype):
     assert_within_rule("entropy", ent, ent_t, ent_64)
     assert (lp[t == -100] == 0).all() and (ent[t == -100] == 0).all()
     gen = torch.Generator().manual_seed(3)
-    g_lp, g_ent = torch.randn(lp.shape, generator=gen), torch.randn(lp.shape, generator=gen)
+    g_lp, g_ent = torch.randn(lp.shape, generator=gen).to(DEV), torch.randn(lp.shape, generator=gen).to(DEV)
 
     def total(lp, ent):
         return (lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
@@ -118,7 +126,7 @@ def test_log_probs_and_entropy(softcap, temperature, bias, dtype):
 
 
 def test_log_probs_without_entropy_matches():
-    x, w, b, t = make_case(torch.bfloat16, bias=True, scale=3.0)
+    x, w, b, t = case(torch.bfloat16, bias=True, scale=3.0)
     lp = logitless.linear_log_probs(x, w, t, linear_bias=b, backend="triton")
     lp2, _ = logitless.linear_log_probs(x, w, t, linear_bias=b, return_entropy=True, backend="triton")
     assert isinstance(lp, torch.Tensor) and torch.equal(lp, lp2)
@@ -127,7 +135,7 @@ def test_log_probs_without_entropy_matches():
 @pytest.mark.parametrize("softcap,temperature,bias,dtype", [
     (None, 1.0, True, torch.float32), (4.0, 1.7, False, torch.bfloat16), (None, 0.5, True, torch.float16)])
 def test_logsumexp(softcap, temperature, bias, dtype):
-    x, w, b, _ = make_case(dtype, bias=bias, scale=3.0, lead=None)
+    x, w, b, _ = case(dtype, bias=bias, scale=3.0, lead=None)
     x = x.reshape(1, 37, -1)  # leading dimensions are kept
     kw = dict(softcap=softcap, temperature=temperature)
     xo, wo, bo = leaves(x, w, b)
@@ -138,7 +146,7 @@ def test_logsumexp(softcap, temperature, bias, dtype):
     truth = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
     assert ours.shape == (1, 37) and ours.dtype == torch.float32
     assert_within_rule("logsumexp", ours, theirs, truth)
-    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(DEV)
     names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
     for name, go, gt, g64 in zip(names, grads(ours, [xo, wo, bo], up), grads(theirs, [xt, wt, bt], up),
                                  grads(truth, [x64, w64, b64], up), strict=True):
@@ -170,7 +178,7 @@ def test_backward_workspaces(case, monkeypatch):
     dtype, n, d, v, cols, needs, sms = WORKSPACES[case]
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
-    x, w, b, t = make_case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
+    x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
     ours = logitless.linear_cross_entropy(*ours_in[:2], t, linear_bias=ours_in[2], backend="triton",
@@ -188,9 +196,9 @@ def test_backward_workspaces(case, monkeypatch):
 
 
 def test_single_token_all_ignored_and_empty():
-    x, w, b, t = make_case(torch.bfloat16, n=1, ignore_frac=0.0, bias=True)
+    x, w, b, t = case(torch.bfloat16, n=1, ignore_frac=0.0, bias=True)
     lce_check(x, w, b, t, label_smoothing=0.05)
-    x, w, _, t = make_case(torch.float32)
+    x, w, _, t = case(torch.float32)
     for xx, tt in ((x, torch.full_like(t, -100)), (x[:0], t[:0])):
         for reduction in ("mean", "sum"):
             xo = xx.clone().requires_grad_(True)
@@ -205,7 +213,7 @@ def test_single_token_all_ignored_and_empty():
 def test_launchers_treat_out_of_shard_targets_as_absent():
     # The vocabulary-parallel module calls the launchers on a shard of W with target - shard_start: targets outside
     # [0, V_shard) contribute no target logit and no one-hot term, and the shards' statistics combine to the full ones.
-    x, w, b, t = make_case(torch.float32, bias=True, ignore_frac=0.0, scale=2.0)
+    x, w, b, t = case(torch.float32, bias=True, ignore_frac=0.0, scale=2.0)
     cut = 130
     stats = [lh.forward_stats(x, w[s], b[s], t - s.start, None, softcap=None, inv_temp=1.0, want_smooth=True,
                               want_entropy=False) for s in (slice(0, cut), slice(cut, 300))]
@@ -217,7 +225,7 @@ def test_launchers_treat_out_of_shard_targets_as_absent():
     z = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(stats[0][2], torch.where(t < cut, z.gather(1, t[:, None])[:, 0], 0.0))
     # Backward: dL/dz = p - onehot per shard, with the full lse; the shards' dx add up and their dW stack.
-    ones = torch.ones(37)
+    ones = torch.ones(37, device=DEV)
     parts = []
     for s, (m, logs, *_) in zip((slice(0, cut), slice(cut, 300)), stats, strict=True):
         shift = (m_full + logs_full) - (m + logs)  # p_j = exp(z_j - m - logs - shift): use the full lse
@@ -232,7 +240,7 @@ def test_launchers_treat_out_of_shard_targets_as_absent():
 
 
 def test_deterministic_bitwise():
-    x, w, b, t = make_case(torch.bfloat16, bias=True, scale=2.0)
+    x, w, b, t = case(torch.bfloat16, bias=True, scale=2.0)
     runs = []
     for _ in range(2):
         xo, wo, bo = leaves(x, w, b)
@@ -243,7 +251,7 @@ def test_deterministic_bitwise():
 
 def test_torch_compile_fullgraph():
     # The custom ops (and their fake and autograd registrations) let dynamo trace the whole loss in one graph.
-    x, w, b, t = make_case(torch.float32, bias=True)
+    x, w, b, t = case(torch.float32, bias=True)
 
     def loss_fn(x, w, b, t):
         return logitless.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-3,
@@ -260,7 +268,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_float64_is_refused_by_triton_and_routed_by_auto():
-    x, w, _, t = make_case(torch.float64)
+    x, w, _, t = case(torch.float64)
     with pytest.raises(TypeError, match="float64"):
         logitless.linear_cross_entropy(x, w, t, backend="triton")
     with pytest.raises(TypeError, match="float64"):
@@ -271,7 +279,7 @@ def test_float64_is_refused_by_triton_and_routed_by_auto():
 
 
 def test_bad_deterministic_flag():
-    x, w, _, t = make_case(torch.float32)
+    x, w, _, t = case(torch.float32)
     with pytest.raises(TypeError, match="deterministic"):
         logitless.linear_cross_entropy(x, w, t, backend="triton", deterministic=1)
 
@@ -330,7 +338,7 @@ def test_gpu_deterministic():
 
 @pytest.mark.gpu
 def test_gpu_auto_picks_triton():
-    x, w, _, t = (a.cuda() if a is not None else None for a in make_case(torch.bfloat16))
+    x, w, _, t = case(torch.bfloat16)
     from logitless._dispatch import resolve_backend
 
     assert resolve_backend("auto", x.device, "linear_cross_entropy") == "triton"
