@@ -394,19 +394,27 @@ def _free_port() -> int:
 
 @functools.cache
 def _results(group: str, world: int):
+    """Per-rank {case: "ok" or the failure}, or the text of the error that stopped the processes (kept, so that
+    the other tests of the group report it instead of spawning again)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, _free_port(), outdir, group), nprocs=world, start_method="spawn")
-        out = []
-        for r in range(world):
-            with open(os.path.join(outdir, f"rank{r}.json")) as f:
-                out.append(json.load(f))
-    return out
+    try:
+        with tempfile.TemporaryDirectory() as outdir:
+            mp.start_processes(_worker, args=(world, _free_port(), outdir, group), nprocs=world,
+                               start_method="spawn")
+            out = []
+            for r in range(world):
+                with open(os.path.join(outdir, f"rank{r}.json")) as f:
+                    out.append(json.load(f))
+        return out
+    except Exception:
+        return traceback.format_exc()
 
 
 def _assert_ok(group, world, name):
-    for rank, res in enumerate(_results(group, world)):
+    results = _results(group, world)
+    assert not isinstance(results, str), f"the {world} processes failed:\n{results}"
+    for rank, res in enumerate(results):
         assert res[name] == "ok", f"rank {rank} of {world}:\n{res[name]}"
 
 
