@@ -38,12 +38,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
 
 class CrossEntropyLoss(torch.nn.Module):
-    """Module form of :func:`logitless.cross_entropy`; ``forward(logits, target)``."""
+    """Module form of :func:`logitless.cross_entropy`; ``forward(logits, target)``. With
+    ``inplace_backward=True`` the logits passed to forward are overwritten by their gradient (see the function)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto"):
+                 inplace_backward: bool = False, backend: str = "auto"):
         super().__init__()
+        self.inplace_backward = inplace_backward
         self.register_buffer("weight", weight)
         self.reduction = reduction
         self.ignore_index = ignore_index
@@ -55,9 +57,10 @@ class CrossEntropyLoss(torch.nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, target, weight=self.weight, reduction=self.reduction,
                              ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-                             z_loss=self.z_loss, softcap=self.softcap, backend=self.backend)
+                             z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward,
+                             backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"backend={self.backend!r}")
+                f"inplace_backward={self.inplace_backward}, backend={self.backend!r}")
