@@ -4,6 +4,8 @@
         torchrun --nproc-per-node 2 scripts/gpu_distributed.py [--reps 10] [--check-rows 2048] [--kinds lm,uniform]
         [--shape llama3-8b] [--json FILE]
 
+(`python3 -m torch.distributed.run` in place of `torchrun` where the launcher is not on PATH.)
+
 The script sets those three variables itself too, before NCCL starts: NVLink multicast stays off.
 
 Every rank holds the same input and targets and an uneven contiguous block of the classifier's rows (V % P rows
@@ -97,7 +99,7 @@ def leaf(t):
 
 
 def same_on_all_ranks(t):
-    t = t.detach().contiguous()
+    t = t.detach().reshape(-1).contiguous()
     allt = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(allt, t)
     return all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(t)) for a in allt)
