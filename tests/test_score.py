@@ -91,6 +91,15 @@ def _build(path, family: str) -> None:
     _tokenizer(bos).save_pretrained(path)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The models are tiny: threads buy nothing, and on a busy CI machine their spin-waits cost seconds per test.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -287,7 +296,7 @@ def test_subprocess_writes_output_file(model_dirs, tmp_path, capsys):
     d = str(model_dirs["llama"])
     src = str(_jsonl(tmp_path, DOCS))
     out = tmp_path / "scores.jsonl"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--output", str(out), src],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

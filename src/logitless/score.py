@@ -250,8 +250,11 @@ class _Model:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if not os.path.isdir(model_dir):
             raise ScoreError(f"--model must be a local directory (nothing is downloaded): {model_dir} is not one")
-        import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        try:
+            import transformers
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:
+            raise ScoreError(f"logitless score needs transformers ({e}): pip install 'logitless[hf]'") from None
 
         self.device = _resolve_device(device_arg)
         self.dtype = _resolve_dtype(dtype_key, self.device)
@@ -501,8 +504,12 @@ def _open_output(path: str):
 
 def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int, int, float]:
     """Score every document, writing its line as soon as it and all documents before it are done."""
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is a convenience: score without it
+        tqdm = _NoBar
+    # Non-ASCII text as is where the output takes UTF-8, \u escapes (still the same JSON) where it may not.
+    ascii_only = (getattr(out, "encoding", None) or "").lower().replace("-", "") != "utf8"
     max_docs = max(_BUFFER_DOCS, 4 * args.batch_size)
     total = _count_documents(args.files, args.format)
     n_docs = n_tokens = 0
@@ -510,12 +517,26 @@ def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int,
     with tqdm(total=total, unit="doc", desc="scoring", file=sys.stderr, disable=args.quiet, dynamic_ncols=True) as bar:
         for buf in _buffers(_all_documents(args), max_docs, _BUFFER_CHARS):
             for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar):
-                out.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+                out.write(json.dumps(rec, ensure_ascii=ascii_only, allow_nan=False) + "\n")
                 out.flush()
                 n_docs += 1
                 n_tokens += rec["num_tokens"]
                 logp_sum += doc_sum
     return n_docs, n_tokens, -logp_sum
+
+
+class _NoBar:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        pass
 
 
 def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, args, bar):
