@@ -216,8 +216,9 @@ def _exchange_stats(stats, *, v_local, t_local, class_w, group: _Group) -> _Glob
     return _Global(M, logs_g, zt_g, sw_g, w_sum, w_t, ent_g)
 
 
-def _finish_backward(ctx, impl, group, x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, w_index=1):
-    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[w_index], b is not None and ctx.needs_input_grad[2])
+def _finish_backward(ctx, impl, group, x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp):
+    """The local backward (inputs x, w, b are the Function's first three), then the all-reduce of dx."""
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
     dx, dw, db = impl.backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs)
     if dx is not None:
         if group.size > 1:
