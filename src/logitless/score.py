@@ -59,7 +59,7 @@ class Document(NamedTuple):
 
 
 class Window(NamedTuple):
-    """One model input: `ids` = [BOS] + a slice of the document; targets ids[first:] are scored (first >= 1)."""
+    """One model input: `ids` = a slice of the document after BOS (when used); targets ids[first:] are scored."""
 
     doc: int             # position of the document in its buffer
     part: int            # window number within the document
@@ -131,10 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("logitless score: interrupted", file=sys.stderr)
         return 130
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Input
 
 
 def _file_format(path: str, fmt: str) -> str:
@@ -217,10 +213,6 @@ def _jsonl_document(path, lineno, index, line, text_field, id_field) -> Document
     return Document(path, index, record.get(id_field, _NO_ID), text)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Windows
-
-
 def plan_windows(num_body: int, window: int, stride: int, has_bos: bool) -> list[tuple[int, int, int]]:
     """Cut a document body (its tokens after BOS) into windows; return (start, end, score_from) per window.
 
@@ -237,10 +229,6 @@ def plan_windows(num_body: int, window: int, stride: int, has_bos: bool) -> list
         plan.append((max(0, new_end - window), new_end, end))
         end = new_end
     return plan
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model
 
 
 class _Model:
@@ -404,10 +392,6 @@ def _resolve_dtype(key: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Scoring loop
-
-
 def _window_plan(args, model: _Model) -> tuple[int, int]:
     """(body tokens per window, stride), checked against the model and each other."""
     max_len = args.max_length
@@ -418,7 +402,7 @@ def _window_plan(args, model: _Model) -> tuple[int, int]:
     if model.max_positions is not None and max_len > model.max_positions:
         raise ScoreError(f"--max-length {max_len} exceeds the model's maximum positions ({model.max_positions})")
     has_bos = model.bos is not None
-    window = max_len - has_bos
+    window = max_len - int(has_bos)
     # Without BOS the first token of a window has no context: at least one token must be carried.
     top = window if has_bos else window - 1
     stride = args.stride if args.stride is not None else max(1, window // 2)
@@ -455,6 +439,10 @@ def _finite(x: float):
     return x if math.isfinite(x) else None
 
 
+def _exp(x: float) -> float:
+    return math.inf if x > 709.0 else math.exp(x)  # math.exp raises past float64's range; NaN stays NaN
+
+
 def _record(doc: Document, ids: list[int], parts, per_token: bool, tokenizer) -> tuple[dict, float]:
     """The output line of one document, and the sum of its log-probs (float64) for the corpus summary."""
     rec = {} if doc.id is _NO_ID else {"id": doc.id}
@@ -463,7 +451,7 @@ def _record(doc: Document, ids: list[int], parts, per_token: bool, tokenizer) ->
     n = logp.numel()
     total = logp.double().sum().item()
     nll = -total / n if n else math.nan
-    rec.update(num_tokens=n, nll=_finite(nll), ppl=_finite(math.exp(nll)) if n else None)
+    rec.update(num_tokens=n, nll=_finite(nll), ppl=_finite(_exp(nll)))
     if per_token:
         scored = ids[len(ids) - n:]  # every token after the first is scored exactly once
         ent = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0)
@@ -490,7 +478,7 @@ def _run(args) -> int:
     if not args.quiet:
         nll = nll_sum / tokens if tokens else math.nan
         print(f"logitless score: {docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
-              f"perplexity {math.exp(nll) if tokens else math.nan:.4f} (token-weighted over all documents)",
+              f"perplexity {_exp(nll):.4f} (token-weighted over all documents)",
               file=sys.stderr)
     return 0
 
@@ -542,10 +530,11 @@ class _NoBar:
 def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, args, bar):
     """Yield (record, sum of log-probs) for the documents of `buf` in order, each once it is complete."""
     has_bos = model.bos is not None
+    p = int(has_bos)
     encoded = model.encode([d.text for d in buf])
     windows: list[Window] = []
     for i, ids in enumerate(encoded):
-        prefix, body = ids[:has_bos], ids[has_bos:]
+        prefix, body = ids[:p], ids[p:]
         for k, (s, e, f) in enumerate(plan_windows(len(body), window, stride, has_bos)):
             windows.append(Window(i, k, prefix + body[s:e], len(prefix) + f - s))
     parts: list[list] = [[] for _ in buf]
@@ -556,6 +545,7 @@ def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, 
     # Longest first: a batch that does not fit in memory fails at once, not after hours.
     windows.sort(key=lambda w: len(w.ids), reverse=True)
     ready = 0
+    # One more step than there are batches, so that a buffer of only empty documents is written too.
     for b0 in range(0, len(windows) + 1, args.batch_size):
         batch = windows[b0:b0 + args.batch_size]
         if batch:
