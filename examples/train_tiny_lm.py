@@ -160,8 +160,13 @@ def _peak_memory(device) -> tuple[float, str]:
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, "peak GPU memory allocated by PyTorch"
-    # ru_maxrss is in KiB on Linux: the whole process, Python and PyTorch included.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak resident memory of the process"
+    # The whole process, Python and PyTorch included. VmHWM belongs to this process's own memory map; ru_maxrss
+    # would also count the parent's resident size at the fork.
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) / 2**20, "peak resident memory of the process"
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak resident memory (ru_maxrss)"
 
 
 def train(args) -> dict:

@@ -39,8 +39,6 @@ from ..linear_cross_entropy import linear_cross_entropy
 _SOFTCAP_ATTRS = ("final_logit_softcapping", "logits_soft_cap")
 # (attribute, divides): logits * value, or logits / value when `divides`.
 _SCALE_ATTRS = (("logit_scale", False), ("lm_head_multiplier", False), ("logits_scaling", True))
-# Keywords of the causal-LM forward that belong to the loss, never to the backbone.
-_LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
 def _refusals(config, src: str | None):
@@ -222,6 +220,7 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     labels = call.pop("labels")
     keep = call.pop(plan.keep_name, 0) if plan.keep_name else 0
     return_dict = call.pop("return_dict", None)
+    # The loss's keywords; transformers also hands them to the backbone, which ignores them.
     num_items = call.pop("num_items_in_batch", None)
     shift_labels = call.pop("shift_labels", None)
     ignore_index = call.pop("ignore_index", plan.options["ignore_index"])
