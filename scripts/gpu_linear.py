@@ -180,16 +180,15 @@ def run_variants(reps):
     head = data.uniform(N, D, V, device="cuda")
     base = lh._GPU_CONFIG
     fwd_variants = {
-        "128x256x64 w8 s3 (default)": base,
-        "256x128x64 w8 s3": base._replace(block_n=256, block_v=128),
-        "128x256x64 w8 s4 g16": base._replace(fwd_stages=4, group=16),
-        "128x256x64 w8 s3 waves4": base._replace(waves=4),
+        "fwd 128x256x64 w8 s3, dz 128x128 (default)": base,
+        "fwd 128x256x64 w8 s4 g16": base._replace(fwd_stages=4, group=16),
     }
     grad_variants = {
-        "128x256x64 w8 s4 (default)": base,
-        "256x128x64 w8 s4": base._replace(block_m=256, block_d=128),
-        "128x256x64 w8 s3": base._replace(grad_stages=3),
-        "128x128x64 w8 s4": base._replace(block_d=128),
+        "128x256x64 w8 s3 (default)": base,
+        "128x128x64 w8 s3": base._replace(block_d=128),
+        "128x256x64 w8 s4": base._replace(grad_stages=4),
+        "256x128x64 w8 s3": base._replace(block_m=256, block_d=128),
+        "dz 128x256": base._replace(dz_block_v=256),
     }
     x, w, t = head.input, head.weight, head.target
     xl, wl = leaf(x), leaf(w)

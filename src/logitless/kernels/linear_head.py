@@ -355,19 +355,19 @@ def _dw_tile(
     d_ok = offs_d < D
     k_lo = ks.to(tl.int64) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, N)
-    m_in = tl.minimum(offs_m, n_vrows - 1)  # out-of-range rows and columns repeat the last one; not stored
-    d_in = tl.minimum(offs_d, D - 1)
-    a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + m_in[:, None])  # dz^T [BLOCK_M, BLOCK_K]
-    b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + d_in[None, :] * stride_xd)  # [K, D]
+    # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep the
+    # loads vectorised, where clamped indices would not.
+    a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
+    b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_dz
         b_ptrs += BLOCK_K * stride_xn
@@ -391,10 +391,9 @@ def _dx_tile(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = row0 + offs_m < N
     d_ok = offs_d < D
-    m_in = tl.minimum(row0 + offs_m, N - 1)  # out-of-range rows and columns repeat the last one; not stored
-    d_in = tl.minimum(offs_d, D - 1)
+    m_in = tl.minimum(row0 + offs_m, N - 1)  # rows past N repeat the last one (strided dimension); not stored
     a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
-    b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + d_in[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
+    b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
     out = dx_ptr + row0 * stride_dxn + (offs_m[:, None] * stride_dxn + offs_d[None, :] * stride_dxd)
     ok = m_ok[:, None] & d_ok[None, :]
     if ACCUMULATE:
@@ -404,11 +403,11 @@ def _dx_tile(
     for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < n_vrows - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wv
@@ -480,14 +479,16 @@ class Config(NamedTuple):
     grad_stages: int
     group: int
     waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
+    dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
 
 
-# Hopper-class GPUs, bf16/fp16: 128 x 256 x 64 tiles, 8 warps; 4 stages in the gradient products (measured on an
-# H200 at llama3-8b: forward 28.2 ms against 34.2 for 128 x 128 tiles; notes/linear_head.md).
-_GPU_CONFIG = Config(128, 256, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8)
-_GPU_CONFIG_FP32 = Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8)
+# Hopper-class GPUs, bf16/fp16 (H200, llama3-8b; notes/linear_head.md): forward 128 x 256 x 64 tiles, 8 warps
+# (28.2 ms against 34.2 for 128 x 128); dz 128 x 128 (128 x 256 spills its heavier epilogue); gradient products
+# 128 x 256 x 64, 3 stages.
+_GPU_CONFIG = Config(128, 256, 64, 8, 3, 128, 256, 64, 8, 3, 8, 8, 128)
+_GPU_CONFIG_FP32 = Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 # The interpreter: small tiles so that small test shapes still have several partial tiles in every direction.
-_INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4)
+_INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4, 64)
 # Tests and the GPU script may set this to try other tiles.
 CONFIG_OVERRIDE: Config | None = None
 
@@ -633,7 +634,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     def dz_pass(v0, v1, dz, with_db):
         store = dz is not None
         dbp = _new((n_blocks, v1 - v0), **f32) if with_db else None
-        _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.block_v),)](
+        _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.dz_block_v),)](
             x, w, b if b is not None else dummy, target if target is not None else dummy,
             class_w if class_w is not None else dummy, m, logs, A,
             B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
@@ -645,7 +646,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0,
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
             HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )
         if with_db:
