@@ -173,9 +173,9 @@ WORKSPACES = {
 }
 
 
-@pytest.mark.parametrize("case", list(WORKSPACES))
-def test_backward_workspaces(case, monkeypatch):
-    dtype, n, d, v, cols, needs, sms = WORKSPACES[case]
+@pytest.mark.parametrize("name", list(WORKSPACES))
+def test_backward_workspaces(name, monkeypatch):
+    dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
