@@ -1,0 +1,113 @@
+"""Correctness gate run before any provider is timed: the project's error rule on a slice of rows.
+
+For the value and every gradient, with the float64 result of PyTorch's own ops as the truth:
+
+    err(provider) <= 2 * err(PyTorch in the benchmark dtype) + 1e-6,   err(a) = ||a - truth|| / ||truth||
+
+"PyTorch in the benchmark dtype" is the same composition of PyTorch ops (reference.naive_*) run on the inputs in
+the benchmark dtype without upcasting. This is the rule of the test suite, restated here because the benchmark
+must not import the tests. A provider that breaks it is reported as failing, with its errors, and is not timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from .cases import Inputs
+
+FACTOR = 2.0
+TINY = 1e-6
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64; NaN anywhere in x (where ref is finite) counts as infinite error."""
+    x64, r64 = x.detach().double().cpu(), ref.detach().double().cpu()
+    if x64.shape != r64.shape:
+        raise ValueError(f"shape {tuple(x64.shape)} != reference shape {tuple(r64.shape)}")
+    if torch.isnan(x64).any() and not torch.isnan(r64).any():
+        return float("inf")
+    both_nan = torch.isnan(x64) & torch.isnan(r64)
+    diff = torch.where(both_nan, torch.zeros_like(x64), x64 - r64)
+    denom = torch.where(torch.isnan(r64), torch.zeros_like(r64), r64).norm().item()
+    return diff.norm().item() / max(denom, 1e-30)
+
+
+@dataclass
+class Comparison:
+    name: str  # "loss", "logp", "d_input", ... with " (no grad)" for the no-grad call
+    err: float  # the provider's relative error against float64
+    err_torch: float  # PyTorch's own error in the benchmark dtype
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= FACTOR * self.err_torch + TINY
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "err": self.err, "err_torch": self.err_torch, "ok": self.ok}
+
+    def __str__(self) -> str:
+        return f"{self.name}: error {self.err:.3e} vs PyTorch's {self.err_torch:.3e}"
+
+
+def _naive(job: str, upcast: bool):
+    if job == "train":
+        return lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t, upcast=upcast)
+    if job == "logprobs":
+        return lambda x, w, t: reference.naive_linear_log_probs(x, w, t, upcast=upcast)
+    return lambda logits, t: reference.naive_cross_entropy(logits, t, upcast=upcast)
+
+
+def evaluate(job: str, fn, inp: Inputs, *, grad: bool, cast=None):
+    """Run `fn` on fresh leaves of `inp` (cast to `cast` if given). Returns (value, gradients, gradient names);
+    the value is detached, the gradients are those of sum(value * upstream) (of the value when it is a scalar)."""
+    srcs = (("logits", inp.logits),) if job == "ce" else (("input", inp.x), ("weight", inp.w))
+    leaves = []
+    for _, a in srcs:
+        a = a.detach().to(cast) if cast is not None else a.detach().clone()
+        leaves.append(a.requires_grad_(grad))
+    with torch.set_grad_enabled(grad):
+        out = fn(*leaves, inp.t)
+        if not grad:
+            return out.detach(), [], []
+        upstream = inp.upstream if out.dim() > 0 else None
+        if upstream is not None:
+            upstream = upstream.to(out.dtype)
+        value = out.detach().clone()  # before backward: some providers reuse their buffers
+        out.backward(upstream)
+    names = [f"d_{n}" for n, _ in srcs]
+    return value, [a.grad for a in leaves], names
+
+
+class Reference:
+    """Float64 truth and PyTorch's same-dtype results on the check slice of one case, computed once."""
+
+    def __init__(self, job: str, inp: Inputs, phases):
+        self.job, self.inp = job, inp
+        self.results = {}
+        for phase in phases:
+            grad = phase == "fwd+bwd"
+            truth = evaluate(job, _naive(job, True), inp, grad=grad, cast=torch.float64)
+            same = evaluate(job, _naive(job, False), inp, grad=grad)
+            self.results[phase] = (truth, same)
+
+    def truth_value(self, phase: str) -> float:
+        """The mean float64 value (loss in nats, or mean log p) on the slice, for the data description."""
+        return float(self.results[phase][0][0].double().mean())
+
+    def compare(self, fn) -> list[Comparison]:
+        out = []
+        value_name = "logp" if self.job == "logprobs" else "loss"
+        for phase, ((tv, tg, names), (sv, sg, _)) in self.results.items():
+            grad = phase == "fwd+bwd"
+            value, grads, _ = evaluate(self.job, fn, self.inp, grad=grad)
+            suffix = "" if grad else " (no grad)"
+            out.append(Comparison(value_name + suffix, rel_err(value, tv), rel_err(sv, tv)))
+            for name, g, t, s in zip(names, grads, tg, sg, strict=True):
+                if g is None:
+                    out.append(Comparison(name, float("inf"), rel_err(s, t)))
+                else:
+                    out.append(Comparison(name, rel_err(g, t), rel_err(s, t)))
+        return out

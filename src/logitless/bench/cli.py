@@ -1,0 +1,264 @@
+"""`logitless bench`: speed and peak memory of logitless next to every installed peer, on this device."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import sys
+
+import torch
+
+from . import cases as C
+from . import data, providers, report
+from .runner import Options, run
+
+DESCRIPTION = """\
+Time and peak memory of logitless next to every installed peer, on this device's shapes and data.
+
+Before any provider is timed, its value and gradients on a slice of rows are checked against a float64
+reference: its relative error must be at most 2 x the error of PyTorch's own ops in the same dtype (+1e-6).
+A provider that fails is reported as failing, with its errors, and is not timed.
+
+Jobs (phases):
+  train     linear_cross_entropy, mean loss: fwd+bwd (with the fwd and bwd split), and no-grad (loss only)
+  logprobs  per-token log p(target) of a linear head: no-grad (scoring), and fwd+bwd (gradients)
+  ce        cross_entropy on existing N x V logits: fwd+bwd (in place where the provider supports it)
+
+Figures per phase: median time (CUDA events on a GPU, wall clock on a CPU); peak memory allocated above the
+inputs and the outputs (CUDA caching allocator on a GPU, PyTorch's profiler on a CPU); TFLOP/s counting
+2*N*D*V per matrix product (3 products for fwd+bwd, 1 for no-grad), or GB/s counting one read and one write of
+the logits for ce; "x ours": time over logitless's (the backend that backend="auto" picks); "x floor": time over
+the dense floor's (the matrix products alone, or a device-to-device copy of the logits for ce).
+"""
+
+EPILOG = """\
+providers (each runs only when importable and able to run on the device; --list shows which):
+{providers}
+
+presets (N tokens, D hidden, V vocabulary):
+{presets}
+
+data (--data):
+  lm        a trained model's head: peaked softmax (entropy ~2.5 nats), Zipf-distributed targets
+  uniform   the head at initialisation: near-uniform softmax, loss ~ log V
+  (see docs/data.md; the exact recipe is printed with each run)
+
+defaults: on a GPU all jobs at the model presets of their targets, bf16, both data kinds, every available
+provider; on a CPU a small run (cpu-small, fp32, lm data; logitless-torch, torch-eager and the floor; the
+providers that are slow there, torch.compile, torch-lce and the Triton peers, only when named in --providers).
+outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.png
+"""
+
+
+def _split(values):
+    out = []
+    for v in values or []:
+        out += [p.strip() for p in v.split(",") if p.strip()]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    prov = "\n".join(f"  {p.name:18s}{p.description}" for p in providers.REGISTRY)
+    pres = "\n".join(f"  {k:14s}N={n}, D={d}, V={v}" for k, (n, d, v) in C.PRESETS.items())
+    ap = argparse.ArgumentParser(
+        prog="logitless bench", description=DESCRIPTION, epilog=EPILOG.format(providers=prov, presets=pres),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--job", action="append", metavar="JOB",
+                    help=f"job(s) to run, comma-separated or repeated: {', '.join(C.JOBS)} (default: all)")
+    ap.add_argument("--preset", action="append", metavar="NAME",
+                    help="shape preset(s), comma-separated or repeated; with --shape, replaces the default shapes "
+                         "of every job")
+    ap.add_argument("--shape", action="append", metavar="N,D,V",
+                    help="a custom shape (repeatable): N tokens, D hidden size, V vocabulary")
+    ap.add_argument("--dtype", action="append", metavar="DTYPE",
+                    help=f"dtype(s) of input and weight: {', '.join(C.DTYPES)} (default: bf16 on a GPU, fp32 on a "
+                         "CPU)")
+    ap.add_argument("--data", action="append", metavar="KIND",
+                    help=f"data kind(s): {', '.join(data.KINDS)} (default: both on a GPU, lm on a CPU)")
+    ap.add_argument("--providers", action="append", metavar="NAMES",
+                    help="only these providers, comma-separated (default: all available; on a CPU those that run "
+                         "quickly there)")
+    ap.add_argument("--exclude", action="append", metavar="NAMES", help="skip these providers, comma-separated")
+    ap.add_argument("--device", default=None,
+                    help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+    ap.add_argument("--out", default="bench-out", metavar="DIR",
+                    help="folder for the table, JSON, CSV and PNG files (default: %(default)s)")
+    ap.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+    ap.add_argument("--check-rows", type=int, default=None, metavar="K",
+                    help="rows of the batch on which each provider is checked against float64 "
+                         "(default: 1024 on a GPU, 256 on a CPU)")
+    ap.add_argument("--time-failing", action="store_true",
+                    help="time providers that fail the check too (they stay marked FAIL)")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="time spent on the timed repetitions of each provider and phase, about "
+                         "(default: 1.0 on a GPU, 0.5 on a CPU)")
+    ap.add_argument("--min-reps", type=int, default=3, metavar="R", help="at least R timed runs (default: 3)")
+    ap.add_argument("--max-reps", type=int, default=100, metavar="R", help="at most R timed runs (default: 100)")
+    ap.add_argument("--warmup", type=int, default=1, metavar="R",
+                    help="untimed runs before measuring, after the check; at least 1, the last one sizing the "
+                         "number of timed runs (default: 1)")
+    ap.add_argument("--max-iter-seconds", type=float, default=30.0, metavar="S",
+                    help="a provider whose single run takes longer is reported 'too slow', not timed (default: 30)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: 0)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--list", action="store_true", help="list providers, with why any cannot run here, and exit")
+    return ap
+
+
+def _device(arg: str | None) -> torch.device:
+    if arg is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(arg)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("logitless bench: --device cuda was asked for but CUDA is not available")
+    if dev.type not in ("cuda", "cpu"):
+        raise SystemExit(f"logitless bench: unsupported device {arg!r}; use cuda or cpu")
+    return dev
+
+
+def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Options]:
+    """Arguments -> the cases to run, the providers, and the options. Errors go through parser.error (exit 2)."""
+    device = _device(args.device)
+    gpu = device.type == "cuda"
+    jobs = _split(args.job) or list(C.JOBS)
+    for j in jobs:
+        if j not in C.JOBS:
+            parser.error(f"unknown job {j!r}; expected one of {', '.join(C.JOBS)}")
+    dtypes = _split(args.dtype) or (["bf16"] if gpu else ["fp32"])
+    for d in dtypes:
+        if d not in C.DTYPES:
+            parser.error(f"unknown dtype {d!r}; expected one of {', '.join(C.DTYPES)}")
+    kinds = _split(args.data) or (list(data.KINDS) if gpu else ["lm"])
+    for k in kinds:
+        if k not in data.KINDS:
+            parser.error(f"unknown data kind {k!r}; expected one of {', '.join(data.KINDS)}")
+    shapes = []
+    for text in _split(args.preset):
+        if text not in C.PRESETS:
+            parser.error(f"unknown preset {text!r}; expected one of {', '.join(C.PRESETS)}")
+        shapes.append(C.parse_shape(text))
+    for text in args.shape or []:
+        try:
+            shapes.append(C.parse_shape(text))
+        except ValueError as e:
+            parser.error(str(e))
+    defaults = C.GPU_DEFAULT_PRESETS if gpu else C.CPU_DEFAULT_PRESETS
+    cases = []
+    for job in jobs:
+        job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
+        for s in job_shapes:
+            for d in dtypes:
+                for k in kinds:
+                    cases.append(C.Case(job, s, d, k))
+    known = providers.by_name()
+    if args.providers:
+        names = _split(args.providers)
+        for n in names:
+            if n not in known:
+                parser.error(f"unknown provider {n!r}; expected some of {', '.join(known)}")
+        chosen = [known[n] for n in names]
+    else:
+        chosen = [p for p in providers.REGISTRY if gpu or p.cpu_default]
+    excluded = set(_split(args.exclude))
+    for n in excluded:
+        if n not in known:
+            parser.error(f"unknown provider {n!r} in --exclude; expected some of {', '.join(known)}")
+    chosen = [p for p in chosen if p.name not in excluded]
+    if args.check_rows is not None and args.check_rows < 1:
+        parser.error("--check-rows must be at least 1")
+    if args.min_reps < 1 or args.max_reps < args.min_reps:
+        parser.error("--min-reps must be at least 1 and --max-reps at least --min-reps")
+    budget = args.budget if args.budget is not None else (1.0 if gpu else 0.5)
+    if budget <= 0:
+        parser.error("--budget must be positive")
+    opts = Options(
+        device=device, budget_s=budget, min_reps=args.min_reps, max_reps=args.max_reps,
+        warmup=max(1, args.warmup), max_iter_s=args.max_iter_seconds,
+        check_rows=args.check_rows or (1024 if gpu else 256), time_failing=args.time_failing, seed=args.seed,
+        progress=not args.no_progress,
+    )
+    return cases, chosen, opts
+
+
+def _meta(argv, device: torch.device, chosen) -> dict:
+    meta = {
+        "command": "logitless bench " + " ".join(shlex.quote(a) for a in argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001 - Triton is optional
+        meta["triton"] = None
+    meta["providers"] = {p.name: p.version() for p in chosen}
+    return meta
+
+
+def _list(device: torch.device) -> int:
+    print(f"device: {device}")
+    for p in providers.REGISTRY:
+        reasons = {job: p.unavailable(job, device) for job in p.jobs}
+        ok = [j for j, r in reasons.items() if not r]
+        line = f"  {p.name:18s} {'jobs: ' + ', '.join(ok) if ok else 'unavailable'}"
+        bad = {r for r in reasons.values() if r}
+        if bad:
+            line += f"   ({'; '.join(sorted(bad))})"
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        return _list(_device(args.device))
+    cases, chosen, opts = resolve(args, parser)
+    log = _logger(opts.progress)
+    meta = _meta(argv, opts.device, chosen)
+    log(f"logitless bench on {meta['device']} ({opts.device}); torch {meta['torch']}, triton {meta['triton']}")
+    result = run(cases, chosen, opts, log=log)
+    text = report.tables(result)
+    legend = report.legend(result)
+    print()
+    print(text)
+    print(legend)
+    os.makedirs(args.out, exist_ok=True)
+    data_lines = "\n".join(f"data {d}" for d in result.data.values())
+    header = f"{meta['command']}\n{meta['device']}; torch {meta['torch']}; triton {meta['triton']}\n{data_lines}\n"
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(header + "\n" + text + "\n" + legend + "\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report.tables(result, markdown=True) + "\n" + legend.replace("\n", "\n\n") + "\n")
+    report.write_json(result, meta, os.path.join(args.out, "results.json"))
+    report.write_csv(result, os.path.join(args.out, "results.csv"))
+    written = ["table.txt", "table.md", "results.json", "results.csv"]
+    if not args.no_plots:
+        written += [os.path.basename(p) for p in report.write_plots(result, args.out)]
+    print(f"wrote {', '.join(written)} to {args.out}")
+    return 0
+
+
+def _logger(progress: bool):
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            return lambda msg: tqdm.write(msg)
+        except ImportError:
+            pass
+    return print
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The implementations the benchmark compares, each one wrapped to the same calling convention.
+
+Per job a provider supplies a function:
+  train     fn(input, linear_weight, target) -> mean loss (scalar)
+  logprobs  fn(input, linear_weight, target) -> log p(target) per token, (N,)
+  ce        fn(logits, target) -> mean loss (scalar)
+The runner makes the inputs leaves that require grad for the "fwd+bwd" phase and calls ``backward`` itself. The
+dense floor is the exception: it is no loss, only the matrix products (or the copy) that any implementation of
+the job must at least pay for, and it is neither checked nor differentiated.
+
+Peers are optional: a provider whose package does not import, or that cannot run on the device, is listed as
+unavailable with the reason and skipped. ``REGISTRY`` is the list the command draws from (tests add to it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from .cases import JOB_OP, Inputs
+
+
+@dataclass
+class Step:
+    """One run of a phase: fwd() returns the output; bwd(out) runs the backward and returns extra outputs."""
+
+    fwd: Callable[[], object]
+    bwd: Callable[[object], list] | None
+
+
+@dataclass
+class Provider:
+    name: str
+    description: str
+    jobs: dict[str, Callable[[], Callable]]  # job -> builder of the job's function (called once per run)
+    unavailable: Callable[[str, torch.device], str | None] = lambda job, device: None  # reason, or None
+    kind: str = "loss"  # "loss", or "floor" (not checked, not a loss)
+    cpu_default: bool = True  # part of the default provider set on a CPU
+    version: Callable[[], str] = lambda: ""
+    _built: dict = field(default_factory=dict, repr=False)
+
+    def fn(self, job: str) -> Callable:
+        if job not in self._built:
+            self._built[job] = self.jobs[job]()
+        return self._built[job]
+
+    def step(self, job: str, inp: Inputs, grad: bool) -> Step:
+        """A Step over the case's inputs, which the runner has already made leaves (requires_grad == grad)."""
+        if self.kind == "floor":
+            return _floor_step(job, inp, grad)
+        fn = self.fn(job)
+        args = (inp.logits, inp.t) if job == "ce" else (inp.x, inp.w, inp.t)
+        upstream = inp.upstream if job == "logprobs" else None
+        if not grad:
+            return Step(lambda: fn(*args), None)
+
+        def bwd(out):
+            out.backward(upstream)
+            return []
+
+        return Step(lambda: fn(*args), bwd)
+
+
+def _floor_step(job: str, inp: Inputs, grad: bool) -> Step:
+    if job == "ce":
+        # Read the logits once and write as many bytes once: what a fused in-place forward+backward must do.
+        return Step(lambda: inp.logits.detach().clone(), None)
+    x, w = inp.x.detach(), inp.w.detach()
+    fwd = lambda: x @ w.T  # the logits: [N, V]
+    if not grad:
+        return Step(fwd, None)
+    return Step(fwd, lambda z: [z @ w, z.T @ x])  # d_input [N, D] and d_weight [V, D] from a [N, V] gradient
+
+
+def _dist_version(name: str) -> Callable[[], str]:
+    def get():
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+    return get
+
+
+def _needs_module(module: str, install: str) -> Callable[[str, torch.device], str | None]:
+    def reason(job, device):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available", with the reason
+            return f"{install} is not importable ({type(e).__name__}: {e})"[:200]
+        return None
+    return reason
+
+
+def _triton_device(reason_if_import: Callable) -> Callable[[str, torch.device], str | None]:
+    """Triton-only peers: CUDA, or a CPU with the Triton interpreter enabled (slow; for testing)."""
+    def reason(job, device):
+        r = reason_if_import(job, device)
+        if r:
+            return r
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            return "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on a CPU)"
+        return None
+    return reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logitless
+
+
+def _logitless(backend: str) -> Provider:
+    import logitless
+
+    def unavailable(job, device):
+        from .._dispatch import resolve_backend
+
+        try:
+            got = resolve_backend(backend, device, JOB_OP[job])
+        except Exception as e:  # noqa: BLE001 - the dispatcher's message says why the backend cannot run
+            return str(e)
+        return None if got == backend else f"backend {backend!r} resolves to {got!r} here"
+
+    def ce():
+        kw = {"backend": backend}
+        if "inplace_backward" in inspect.signature(logitless.cross_entropy).parameters:
+            kw["inplace_backward"] = True  # the gradient overwrites the logits, as Liger's does
+        return lambda logits, t: logitless.cross_entropy(logits, t, **kw)
+
+    return Provider(
+        name=f"logitless-{backend}",
+        description=f"logitless, backend={backend!r}" + (" (chunked PyTorch path)" if backend == "torch" else ""),
+        jobs={
+            "train": lambda: lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend=backend),
+            "logprobs": lambda: lambda x, w, t: logitless.linear_log_probs(x, w, t, backend=backend),
+            "ce": ce,
+        },
+        unavailable=unavailable,
+        cpu_default=backend == "torch",
+        version=lambda: logitless.__version__,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PyTorch: eager, torch.compile, F.linear_cross_entropy
+
+
+_EAGER = {
+    "train": lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t),
+    "logprobs": lambda x, w, t: reference.naive_linear_log_probs(x, w, t),
+    "ce": lambda logits, t: reference.naive_cross_entropy(logits, t),
+}
+
+
+def _compiled(job: str) -> Callable:
+    import torch._dynamo as dynamo
+
+    # One compilation per (D, V) and grad mode: the token count is marked dynamic so that the check slice and the
+    # full batch share a graph, and automatic dynamic shapes are off so that D and V stay static as a model's are.
+    dynamo.config.automatic_dynamic_shapes = False
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, max(64, getattr(dynamo.config, knob)))
+    compiled = torch.compile(_EAGER[job])
+
+    def fn(*args):
+        dynamo.maybe_mark_dynamic(args[0], 0)
+        dynamo.maybe_mark_dynamic(args[-1], 0)
+        return compiled(*args)
+
+    return fn
+
+
+def _torch_lce_unavailable(job, device):
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"torch.nn.functional.linear_cross_entropy needs torch >= 2.13 (installed: {torch.__version__})"
+    return None
+
+
+def _torch_lce(job: str) -> Callable:
+    opts = torch.nn.LinearCrossEntropyOptions()  # the chunked path, chunking and precision policy on "auto"
+    if job == "train":
+        return lambda x, w, t: F.linear_cross_entropy(x, w, t, options=opts)
+    return lambda x, w, t: -F.linear_cross_entropy(x, w, t, reduction="none", options=opts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Liger-Kernel and Cut Cross-Entropy
+
+
+def _liger(job: str) -> Callable:
+    if job == "train":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        mod = LigerFusedLinearCrossEntropyLoss()
+        return lambda x, w, t: mod(w, x, t)  # Liger takes the weight first
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    mod = LigerCrossEntropyLoss()
+    return lambda logits, t: mod(logits, t)
+
+
+def _cce(impl: str, job: str) -> Callable:
+    from cut_cross_entropy import linear_cross_entropy
+
+    if job == "train":
+        return lambda x, w, t: linear_cross_entropy(x, w, t, impl=impl)
+    return lambda x, w, t: -linear_cross_entropy(x, w, t, reduction="none", impl=impl)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _registry() -> list[Provider]:
+    liger_import = _needs_module("liger_kernel.transformers", "liger-kernel")
+    cce_import = _needs_module("cut_cross_entropy", "cut-cross-entropy")
+    return [
+        _logitless("triton"),
+        _logitless("torch"),
+        Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
+                 {job: functools.partial(lambda j: _EAGER[j], job) for job in _EAGER},
+                 version=lambda: torch.__version__),
+        Provider("torch-compile", "torch.compile of the eager composition (token count dynamic, D and V static)",
+                 {job: functools.partial(_compiled, job) for job in _EAGER},
+                 cpu_default=False, version=lambda: torch.__version__),
+        Provider("torch-lce", "torch.nn.functional.linear_cross_entropy, chunked (LinearCrossEntropyOptions())",
+                 {job: functools.partial(_torch_lce, job) for job in ("train", "logprobs")},
+                 unavailable=_torch_lce_unavailable, cpu_default=False, version=lambda: torch.__version__),
+        Provider("liger", "Liger-Kernel: LigerFusedLinearCrossEntropyLoss (train), LigerCrossEntropyLoss (ce)",
+                 {job: functools.partial(_liger, job) for job in ("train", "ce")},
+                 unavailable=_triton_device(liger_import), cpu_default=False,
+                 version=_dist_version("liger-kernel")),
+        Provider("cce", "Cut Cross-Entropy, impl='cce' (default gradient filtering)",
+                 {job: functools.partial(_cce, "cce", job) for job in ("train", "logprobs")},
+                 unavailable=_triton_device(cce_import), cpu_default=False,
+                 version=_dist_version("cut-cross-entropy")),
+        Provider("cce-compile", "Cut Cross-Entropy, impl='torch_compile'",
+                 {job: functools.partial(_cce, "torch_compile", job) for job in ("train", "logprobs")},
+                 unavailable=cce_import, cpu_default=False,
+                 version=_dist_version("cut-cross-entropy")),
+        Provider("floor", "dense floor: the cuBLAS products alone (x W^T; then dlogits W and dlogits^T x), "
+                 "or for ce a device-to-device copy of the logits",
+                 {job: (lambda: None) for job in ("train", "logprobs", "ce")}, kind="floor",
+                 version=lambda: torch.__version__),
+    ]
+
+
+REGISTRY: list[Provider] = _registry()
+
+
+def by_name() -> dict[str, Provider]:
+    return {p.name: p for p in REGISTRY}

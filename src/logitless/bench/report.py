@@ -1,0 +1,225 @@
+"""Outputs of a run: the terminal table (also saved as Markdown), results.json, results.csv and one PNG per job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+from . import cases as C
+from .runner import Result, Run
+
+STATUS_SHORT = {"ok": "ok", "failed check": "FAIL", "error": "error", "OOM": "OOM", "too slow": "slow",
+                "not timed": "-"}
+
+
+def _num(v) -> str:
+    """Three significant digits, never in exponent form above 1; "-" for a missing value."""
+    if v is None or (isinstance(v, float) and (math.isnan(v) or math.isinf(v))):
+        return "-"
+    a = abs(v)
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _row(r: Result, phase: str, first: bool) -> list[str]:
+    pr = r.phases.get(phase)
+    head = [r.provider if first else "", _check_cell(r) if first else "", phase]
+    if pr is None:
+        return head + ["-"] * 7
+    if pr.status != "ok":
+        return head + [STATUS_SHORT.get(pr.status, pr.status)] + ["-"] * 6
+    split = phase == "fwd+bwd"
+    return head + [_num(pr.total_ms), _num(pr.fwd_ms) if split else "-", _num(pr.bwd_ms) if split else "-",
+                   _num(pr.x_ours), _num(pr.x_floor), _num(C.mib(pr.peak_bytes)), _num(pr.rate)]
+
+
+def _check_cell(r: Result) -> str:
+    if not r.checks:
+        return "n/a" if r.status == "ok" else STATUS_SHORT.get(r.status, r.status)
+    return "ok" if r.status != "failed check" else "FAIL"
+
+
+def _align(row: list[str], widths: list[int]) -> str:
+    # Names left-aligned, numbers right-aligned.
+    return "  ".join(c.ljust(w) if k < 3 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+
+def tables(run: Run, markdown: bool = False) -> str:
+    """One table per case, a row per provider and phase; failures and their messages listed under it."""
+    out = []
+    seen = []
+    for r in run.results:
+        if r.case not in seen:
+            seen.append(r.case)
+    for case in seen:
+        rows = [r for r in run.results if r.case == case]
+        header = ["provider", "check", "phase", "ms", "fwd ms", "bwd ms", "x ours", "x floor", "peak MiB",
+                  "GB/s" if case.job == "ce" else "TFLOP/s"]
+        body = [_row(r, phase, k == 0) for r in rows for k, phase in enumerate(C.PHASES[case.job])]
+        title = case.label
+        if case in run.case_notes:
+            title += f"; {run.case_notes[case]}"
+        out.append(("### " if markdown else "") + title)
+        if markdown:
+            out.append("")
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "|".join(" --- " for _ in header) + "|")
+            out += ["| " + " | ".join(row) + " |" for row in body]
+        else:
+            widths = [max(len(h), *(len(row[k]) for row in body)) for k, h in enumerate(header)]
+            out += [_align(row, widths) for row in [header, *body]]
+        notes = []
+        for r in rows:
+            if r.error:
+                notes.append(f"{r.provider}: {r.status}: {r.error}")
+            for pr in r.phases.values():
+                if pr.error:
+                    notes.append(f"{r.provider} [{pr.phase}]: {pr.status}: {pr.error}")
+        if notes:
+            out.append("")
+            out += [("- " if markdown else "  ") + n for n in notes]
+        out.append("")
+    return "\n".join(out)
+
+
+def legend(run: Run) -> str:
+    lines = []
+    for job, name in sorted(run.ours.items()):
+        lines.append(f"x ours ({job}): time over {name}'s; x floor: over the dense floor's (same phase, same run)")
+    for name, reason in run.unavailable.items():
+        lines.append(f"not run: {name}: {reason}")
+    return "\n".join(lines)
+
+
+def _records(run: Run):
+    for r in run.results:
+        s = r.case.shape
+        base = {"job": r.case.job, "shape": s.name, "N": s.N, "D": s.D, "V": s.V, "dtype": r.case.dtype,
+                "data": r.case.data, "provider": r.provider, "status": r.status, "error": r.error}
+        for phase in C.PHASES[r.case.job]:
+            pr = r.phases.get(phase)
+            if pr is None:
+                continue
+            yield {**base, "phase": phase, "phase_status": pr.status, "phase_error": pr.error,
+                   "median_ms": pr.total_ms, "fwd_ms": pr.fwd_ms, "bwd_ms": pr.bwd_ms, "reps": pr.reps,
+                   "peak_mib": C.mib(pr.peak_bytes),
+                   "tflops": pr.rate if r.case.job != "ce" else math.nan,
+                   "gbps": pr.rate if r.case.job == "ce" else math.nan,
+                   "x_ours": pr.x_ours, "x_floor": pr.x_floor}
+        if not r.phases:
+            yield {**base, "phase": "", "phase_status": "", "phase_error": ""}
+
+
+def _clean(v):
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+def write_json(run: Run, meta: dict, path: str) -> None:
+    doc = {
+        "meta": meta,
+        "data": run.data,
+        "ours": run.ours,
+        "unavailable": run.unavailable,
+        "cases": [{"label": c.label, "note": n} for c, n in run.case_notes.items()],
+        "checks": [{"job": r.case.job, "shape": r.case.shape.name, "dtype": r.case.dtype, "data": r.case.data,
+                    "provider": r.provider, "comparisons": [{k: _clean(v) for k, v in c.as_dict().items()}
+                                                            for c in r.checks]}
+                   for r in run.results if r.checks],
+        "results": [{k: _clean(v) for k, v in rec.items()} for rec in _records(run)],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+CSV_FIELDS = ["job", "shape", "N", "D", "V", "dtype", "data", "provider", "status", "phase", "phase_status",
+              "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor", "error",
+              "phase_error"]
+
+
+def write_csv(run: Run, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for rec in _records(run):
+            w.writerow({k: ("" if _clean(v) is None else v) for k, v in rec.items()})
+
+
+def _value(results: list[Result], provider: str, shape: str, phase: str, fld: str):
+    r = next((r for r in results if r.provider == provider and r.case.shape.name == shape), None)
+    pr = r.phases.get(phase) if r else None
+    return getattr(pr, fld) if pr is not None and pr.status == "ok" else None
+
+
+def write_plots(run: Run, out_dir: str) -> list[str]:
+    """One PNG per job: time and peak memory of the headline phase, per shape (groups) and provider (bars).
+    The dense floor is drawn as a dashed line across each group on the time panel and left off the memory panel
+    (its memory is that of its own outputs, which says nothing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for job in C.JOBS:
+        rs = [r for r in run.results if r.case.job == job]
+        if not rs:
+            continue
+        phase = C.PHASES[job][0]
+        kinds = list(dict.fromkeys((r.case.dtype, r.case.data) for r in rs))
+        names = [p for p in dict.fromkeys(r.provider for r in rs) if p != "floor"]
+        colors = {p: plt.get_cmap("tab10")(k % 10) for k, p in enumerate(names)}  # one colour per provider
+        fig, axes = plt.subplots(len(kinds), 2, figsize=(14, 3.8 * len(kinds)), squeeze=False)
+        for row, (dtype, kind) in enumerate(kinds):
+            sub = [r for r in rs if (r.case.dtype, r.case.data) == (dtype, kind)]
+            shapes = list(dict.fromkeys(r.case.shape.name for r in sub))
+            provs = [p for p in colors if any(r.provider == p for r in sub)]
+            width = 0.8 / max(1, len(provs))
+
+            for col, (fld, ylabel) in enumerate((("total_ms", f"{phase}: median time, ms"),
+                                                 ("peak_bytes", f"{phase}: peak MiB above inputs+outputs"))):
+                ax = axes[row][col]
+                shown = []
+                for k, prov in enumerate(provs):
+                    xs, ys = [], []
+                    for j, sh in enumerate(shapes):
+                        v = _value(sub, prov, sh, phase, fld)
+                        if v is None:
+                            continue
+                        xs.append(j + (k - (len(provs) - 1) / 2) * width)
+                        ys.append(max(C.mib(v), 0.01) if fld == "peak_bytes" else v)
+                    bars = ax.bar(xs, ys, width=width, label=prov, color=colors[prov])
+                    ax.bar_label(bars, labels=[_num(y) for y in ys], fontsize=6, rotation=90, padding=2)
+                    shown += ys
+                if fld == "total_ms":
+                    for j, sh in enumerate(shapes):
+                        v = _value(sub, "floor", sh, phase, fld)
+                        if v is not None:
+                            ax.hlines(v, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
+                                      label="dense floor" if j == 0 else None)
+                            shown.append(v)
+                positive = [y for y in shown if y > 0]
+                if fld == "peak_bytes" or (positive and max(positive) / min(positive) > 20):
+                    ax.set_yscale("log")
+                ax.margins(y=0.25)
+                ax.set_xticks(range(len(shapes)))
+                ax.set_xticklabels(shapes, fontsize=8)
+                ax.set_ylabel(ylabel, fontsize=8)
+                ax.set_title(f"{job}, {dtype}, data={kind}", fontsize=9)
+                ax.grid(axis="y", alpha=0.3)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.05 if len(kinds) > 1 else 0.09, 1, 1))
+        path = os.path.join(out_dir, f"bench_{job}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
