@@ -291,7 +291,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         group, impl, softcap, inv_temp, want_entropy = ctx.opts
         if not want_entropy:  # the zeros autograd materialised for the unused output: no B term
             grad_ent = None
-        coef = reference.log_probs_backward_coef(grad_logp, grad_ent, m + logs, ent, valid)
+        coef = reference.log_probs_backward_coef(grad_logp, grad_ent, logs, ent, valid)
         dx, dw, db = _finish_backward(ctx, impl, group, x, w, b, t_local, None, m, logs, coef, softcap, inv_temp)
         return dx, dw, db, None, None, None, None, None, None, None
 

@@ -50,7 +50,7 @@ _GRAD_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor?
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
 def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
              need_db):
-    """(dx, dW, db) for dL/dz_j = p_j (A + B z_j) - C [j == t] - E w_j; a gradient not asked for is empty."""
+    """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty."""
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                      inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
@@ -90,14 +90,14 @@ torch.library.register_autograd("logitless::linear_head_stats", _stats_backward,
 
 
 def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
-    """Per-row (A, B, C, E) of dL/dz_j = p_j (A + B z_j) - C [j == t] - E w_j from the upstream gradients of the
+    """Per-row (A, B, C, E) of dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j from the upstream gradients of the
     statistics: d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t], d sw/dz_j = w_j,
     dH/dz_j = -p_j (z_j - (lse - H))."""
     A = torch.zeros_like(logs) if g_logs is None else g_logs.float().contiguous()
     B = C = E = None
     if g_ent is not None:
         g_ent = g_ent.float()
-        A = A + g_ent * ((m + logs) - ent)
+        A = A + g_ent * (logs - ent)  # relative to the row max: the kernel multiplies B by z - m
         B = (-g_ent).contiguous()
     if g_zt is not None:
         C = (-g_zt.float()).contiguous()

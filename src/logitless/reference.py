@@ -13,7 +13,8 @@ Notation, for one row (token) i with logits z_j = softcap(x_i . W_j + b_j) / T:
 and every op's gradient has the form (docs/math.md derives each)
   dL/dz_j = p_j (A_i + B_i z_j) - C_i [j == t_i] - E_i w_j
 so one backward routine serves cross-entropy, log-probs, entropy and log-sum-exp; only the per-row coefficients
-(A, B, C, E) differ.
+(A, B, C, E) differ. B multiplies z_j - m (the row max), not z_j, and A is taken relative to m accordingly: the
+difference z_j - mu of the entropy gradient would otherwise cancel catastrophically at |z| ~ 1e4.
 """
 
 from __future__ import annotations
@@ -140,10 +141,10 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
 
 
 def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
-    """dL/dz for one block: p (A + B z) - C [j == t] - E w. z is modified in place into the result."""
+    """dL/dz for one block: p (A + B (z - m)) - C [j == t] - E w. z is modified in place into the result."""
     p = torch.exp((z - m_c[:, None]) - logs_c[:, None])
     if B_c is not None:
-        dz = p * (A_c[:, None] + B_c[:, None] * z)
+        dz = p * (A_c[:, None] + B_c[:, None] * (z - m_c[:, None]))
     else:
         dz = p.mul_(A_c[:, None])
     if E_c is not None:
@@ -240,7 +241,7 @@ def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing,
 
 
 def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V):
-    """(A, B, C, E) of dL/dz = p (A + B z) - C [j == t] - E w for the cross-entropy loss, upstream `grad`."""
+    """(A, B, C, E) of dL/dz = p (A + B (z - m)) - C [j == t] - E w for the cross-entropy loss, upstream `grad`."""
     eps = float(label_smoothing)
     g = torch.where(valid, grad.to(lse.dtype), torch.zeros_like(lse))
     C = g * (1.0 - eps) * w_t
@@ -321,21 +322,22 @@ class _LinearLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent, _grad_lse):
         x, w, b, target, m, logs, ent = ctx.saved_tensors
         ignore_index, softcap, inv_temp = ctx.opts
-        coef = log_probs_backward_coef(grad_logp, grad_ent, m + logs, ent, target != ignore_index)
+        coef = log_probs_backward_coef(grad_logp, grad_ent, logs, ent, target != ignore_index)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         dx, dw, db = _linear_head_backward(x, w, b, target, None, m, logs, coef, softcap, inv_temp, needs)
         return dx, dw, db, None, None, None, None, None
 
 
-def log_probs_backward_coef(grad_logp, grad_ent, lse, ent, valid):
-    """d log p_t/dz_j = [j == t] - p_j ;  dH/dz_j = -p_j (z_j - mu), mu = sum p z = lse - H."""
-    zero = torch.zeros_like(lse)
-    g_lp = torch.where(valid, grad_logp.to(lse.dtype), zero) if grad_logp is not None else zero
+def log_probs_backward_coef(grad_logp, grad_ent, logs, ent, valid):
+    """d log p_t/dz_j = [j == t] - p_j ;  dH/dz_j = -p_j (z_j - mu), mu = sum p z = lse - H, written as
+    p_j ((logs - H) - (z_j - m)) so that B multiplies z - m (A is relative to the row max m, lse = m + logs)."""
+    zero = torch.zeros_like(logs)
+    g_lp = torch.where(valid, grad_logp.to(logs.dtype), zero) if grad_logp is not None else zero
     A = -g_lp
     B = None
     if grad_ent is not None:
-        g_h = torch.where(valid, grad_ent.to(lse.dtype), zero)
-        A = A + g_h * (lse - ent)
+        g_h = torch.where(valid, grad_ent.to(logs.dtype), zero)
+        A = A + g_h * (logs - ent)
         B = -g_h
     return A, B, -g_lp, None
 

@@ -10,7 +10,7 @@ bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Stride
            zt / sw / ent are 0 when not asked for (target None, want_smooth / want_entropy False).
     backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db)
         -> (dx | None, dw | None, db | None), in the dtypes of x, W and b, for the per-row float32 coefficients of
-           dL/dz_j = p_j (A + B z_j) - C [j == target] - E w_j  (B, C, E may be None: that term is absent).
+           dL/dz_j = p_j (A + B (z_j - m)) - C [j == target] - E w_j  (B, C, E may be None: that term is absent).
 
 `target` is (N,) int64 of class indices *local to W*: a value outside [0, V) (ignore_index, or a class held by
 another vocabulary shard, the caller passing target - shard_start) contributes no target logit (zt = 0) and no
@@ -306,7 +306,7 @@ def _dz_kernel(
     p = tl.exp((z - m[:, None]) - logs[:, None])
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
-        g = p * (a[:, None] + bc[:, None] * z)
+        g = p * (a[:, None] + bc[:, None] * (z - m[:, None]))  # B multiplies z - m: no cancellation at |z|~1e4
     else:
         g = p * a[:, None]
     if HAS_C:
