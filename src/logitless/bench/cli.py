@@ -47,8 +47,9 @@ data (--data):
   (see docs/data.md; the exact recipe is printed with each run)
 
 defaults: on a GPU all jobs at the model presets of their targets, bf16, both data kinds, every available
-provider; on a CPU a small run (cpu-small, fp32, lm data; logitless-torch, torch-eager and the floor; the
-providers that are slow there, torch.compile, torch-lce and the Triton peers, only when named in --providers).
+provider but the opt-in variants. On a CPU a small run that finishes in under a minute: cpu-small, fp32, lm
+data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
+torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.png
 """
 
@@ -162,7 +163,7 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
                 parser.error(f"unknown provider {n!r}; expected some of {', '.join(known)}")
         chosen = [known[n] for n in names]
     else:
-        chosen = [p for p in providers.REGISTRY if gpu or p.cpu_default]
+        chosen = [p for p in providers.REGISTRY if (p.gpu_default if gpu else p.cpu_default)]
     excluded = set(_split(args.exclude))
     for n in excluded:
         if n not in known:
@@ -210,9 +211,9 @@ def _list(device: torch.device) -> int:
         reasons = {job: p.unavailable(job, device) for job in p.jobs}
         ok = [j for j, r in reasons.items() if not r]
         line = f"  {p.name:18s} {'jobs: ' + ', '.join(ok) if ok else 'unavailable'}"
-        bad = {r for r in reasons.values() if r}
+        bad = [r for r in reasons.values() if r]
         if bad:
-            line += f"   ({'; '.join(sorted(bad))})"
+            line += f"   ({bad[0]})"
         print(line)
     return 0
 

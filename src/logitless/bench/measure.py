@@ -18,7 +18,6 @@ returned value and the gradients, unless they overwrite an input in place) are a
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import statistics
@@ -134,7 +133,6 @@ def output_bytes(outputs, inputs) -> int:
 def peak_extra_bytes(step: Step, prepare, device: torch.device, inputs, leaves) -> int:
     """Peak bytes allocated during one run of `step`, above what existed before it and what it returns."""
     prepare()
-    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -45,6 +45,7 @@ class Provider:
     unavailable: Callable[[str, torch.device], str | None] = lambda job, device: None  # reason, or None
     kind: str = "loss"  # "loss", or "floor" (not checked, not a loss)
     cpu_default: bool = True  # part of the default provider set on a CPU
+    gpu_default: bool = True  # part of the default provider set on a GPU (variants are opt-in)
     version: Callable[[], str] = lambda: ""
     _built: dict = field(default_factory=dict, repr=False)
 
@@ -195,11 +196,11 @@ def _torch_lce(job: str) -> Callable:
 # Liger-Kernel and Cut Cross-Entropy
 
 
-def _liger(job: str) -> Callable:
+def _liger(job: str, accum_dtype=None) -> Callable:
     if job == "train":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        mod = LigerFusedLinearCrossEntropyLoss()
+        mod = LigerFusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
         return lambda x, w, t: mod(w, x, t)  # Liger takes the weight first
     from liger_kernel.transformers import LigerCrossEntropyLoss
 
@@ -207,12 +208,12 @@ def _liger(job: str) -> Callable:
     return lambda logits, t: mod(logits, t)
 
 
-def _cce(impl: str, job: str) -> Callable:
+def _cce(impl: str, job: str, **kw) -> Callable:
     from cut_cross_entropy import linear_cross_entropy
 
     if job == "train":
-        return lambda x, w, t: linear_cross_entropy(x, w, t, impl=impl)
-    return lambda x, w, t: -linear_cross_entropy(x, w, t, reduction="none", impl=impl)
+        return lambda x, w, t: linear_cross_entropy(x, w, t, impl=impl, **kw)
+    return lambda x, w, t: -linear_cross_entropy(x, w, t, reduction="none", impl=impl, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,16 +238,24 @@ def _registry() -> list[Provider]:
                  {job: functools.partial(_liger, job) for job in ("train", "ce")},
                  unavailable=_triton_device(liger_import), cpu_default=False,
                  version=_dist_version("liger-kernel")),
+        Provider("liger-fp32", "Liger-Kernel's fused linear cross-entropy with accum_dtype=float32 (opt-in)",
+                 {"train": functools.partial(_liger, "train", torch.float32)},
+                 unavailable=_triton_device(liger_import), cpu_default=False, gpu_default=False,
+                 version=_dist_version("liger-kernel")),
         Provider("cce", "Cut Cross-Entropy, impl='cce' (default gradient filtering)",
                  {job: functools.partial(_cce, "cce", job) for job in ("train", "logprobs")},
                  unavailable=_triton_device(cce_import), cpu_default=False,
+                 version=_dist_version("cut-cross-entropy")),
+        Provider("cce-nofilter", "Cut Cross-Entropy, impl='cce', filter_eps=None: no gradient filtering (opt-in)",
+                 {job: functools.partial(_cce, "cce", job, filter_eps=None) for job in ("train", "logprobs")},
+                 unavailable=_triton_device(cce_import), cpu_default=False, gpu_default=False,
                  version=_dist_version("cut-cross-entropy")),
         Provider("cce-compile", "Cut Cross-Entropy, impl='torch_compile'",
                  {job: functools.partial(_cce, "torch_compile", job) for job in ("train", "logprobs")},
                  unavailable=cce_import, cpu_default=False,
                  version=_dist_version("cut-cross-entropy")),
-        Provider("floor", "dense floor: the cuBLAS products alone (x W^T; then dlogits W and dlogits^T x), "
-                 "or for ce a device-to-device copy of the logits",
+        Provider("floor", "dense floor: the matrix products alone (x W^T; then dz W, dz^T x); ce: a copy of the "
+                 "logits",
                  {job: (lambda: None) for job in ("train", "logprobs", "ce")}, kind="floor",
                  version=lambda: torch.__version__),
     ]

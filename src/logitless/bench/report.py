@@ -102,7 +102,8 @@ def _records(run: Run):
     for r in run.results:
         s = r.case.shape
         base = {"job": r.case.job, "shape": s.name, "N": s.N, "D": s.D, "V": s.V, "dtype": r.case.dtype,
-                "data": r.case.data, "provider": r.provider, "status": r.status, "error": r.error}
+                "data": r.case.data, "provider": r.provider, "status": r.status, "error": r.error,
+                "wall_s": r.wall_s}
         for phase in C.PHASES[r.case.job]:
             pr = r.phases.get(phase)
             if pr is None:
@@ -141,8 +142,8 @@ def write_json(run: Run, meta: dict, path: str) -> None:
 
 
 CSV_FIELDS = ["job", "shape", "N", "D", "V", "dtype", "data", "provider", "status", "phase", "phase_status",
-              "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor", "error",
-              "phase_error"]
+              "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor", "wall_s",
+              "error", "phase_error"]
 
 
 def write_csv(run: Run, path: str) -> None:

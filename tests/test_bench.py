@@ -1,0 +1,202 @@
+"""`logitless bench` on the CPU: arguments, the files of a tiny run, the correctness gate, the memory measure."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from logitless import cli as top_cli
+from logitless import reference
+from logitless.bench import cases, check, measure, providers
+from logitless.bench import cli as bench_cli
+from logitless.bench.providers import Provider, Step
+from tests import helpers
+
+TINY = ["--shape", "40,16,300", "--no-progress", "--budget", "0.01", "--min-reps", "1", "--max-reps", "2"]
+FAST = "logitless-torch,torch-eager,floor"
+
+
+def _resolve(argv):
+    parser = bench_cli.build_parser()
+    return bench_cli.resolve(parser.parse_args(argv), parser)
+
+
+def test_defaults_on_cpu():
+    cs, ps, opts = _resolve(["--device", "cpu"])
+    assert {c.job for c in cs} == set(cases.JOBS)
+    assert {(c.shape.name, c.dtype, c.data) for c in cs} == {("cpu-small", "fp32", "lm")}
+    # the slow ones on a CPU (compile, chunked torch, Triton peers) only when asked for
+    assert [p.name for p in ps] == ["logitless-torch", "torch-eager", "floor"]
+    assert opts.check_rows == 256 and opts.device.type == "cpu"
+
+
+def test_shapes_presets_and_lists():
+    cs, ps, opts = _resolve(["--device", "cpu", "--job", "train,ce", "--preset", "gpt2", "--shape", "7,5,3",
+                             "--shape", "8x4x2", "--dtype", "bf16", "--dtype", "fp16", "--data", "lm,uniform",
+                             "--providers", "torch-eager,floor,liger", "--exclude", "liger", "--check-rows", "9"])
+    shapes = {(c.shape.N, c.shape.D, c.shape.V) for c in cs}
+    assert shapes == {(8192, 768, 50257), (7, 5, 3), (8, 4, 2)}
+    assert len(cs) == 2 * 3 * 2 * 2  # jobs x shapes x dtypes x data kinds
+    assert [p.name for p in ps] == ["torch-eager", "floor"]
+    assert opts.check_rows == 9
+
+
+@pytest.mark.parametrize("argv", [
+    ["--job", "nope"], ["--shape", "1,2"], ["--shape", "1,0,3"], ["--shape", "a,b,c"], ["--preset", "gpt5"],
+    ["--dtype", "fp8"], ["--data", "zipf"], ["--providers", "nobody"], ["--exclude", "nobody"],
+    ["--min-reps", "5", "--max-reps", "2"], ["--budget", "0"], ["--check-rows", "0"],
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _resolve(["--device", "cpu", *argv])
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        top_cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for action in bench_cli.build_parser()._actions:
+        for opt in action.option_strings:
+            assert opt in text
+        assert action.help, f"{action.option_strings} has no help text"
+    for name in [p.name for p in providers.REGISTRY] + list(cases.PRESETS):
+        assert name in text
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "logitless.bench", "--list", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "torch-eager" in out.stdout and "floor" in out.stdout
+
+
+def test_tiny_run_writes_table_json_csv_png(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert bench_cli.main([*TINY, "--providers", FAST, "--data", "lm,uniform", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("table.txt", "table.md", "results.json", "results.csv", "bench_train.png", "bench_logprobs.png",
+                 "bench_ce.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "bench_train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["data"]) == {"lm", "uniform"}
+    assert doc["meta"]["torch"] == torch.__version__
+    recs = doc["results"]
+    # 3 jobs x 2 data kinds x 3 providers, with 2 + 2 + 1 phases per job
+    assert len(recs) == 2 * 3 * (2 + 2 + 1)
+    for r in recs:
+        assert r["status"] == "ok" and r["phase_status"] == "ok", r
+        assert r["median_ms"] > 0 and r["reps"] >= 1
+        if r["provider"] == "floor":
+            assert r["x_floor"] == pytest.approx(1.0)
+        if r["provider"] == "logitless-torch":
+            assert r["x_ours"] == pytest.approx(1.0)
+            assert r["peak_mib"] >= 0
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == len(recs) and set(rows[0]) == set(report_fields())
+    table = (out / "table.txt").read_text()
+    assert "train 40,16,300 (N=40, D=16, V=300) fp32 data=lm" in table
+    assert "data lm:" in table and "data uniform:" in table
+    assert "torch-eager" in printed and "x floor" in printed
+
+
+def report_fields():
+    from logitless.bench import report
+
+    return report.CSV_FIELDS
+
+
+def _wrong_loss(x, w, t):
+    return 1.5 * reference.naive_linear_cross_entropy(x, w, t)
+
+
+def _raises(x, w, t):
+    raise RuntimeError("deliberately broken")
+
+
+def test_failing_provider_is_reported_and_not_timed(tmp_path, monkeypatch):
+    timed = []
+    real_time_step = measure.time_step
+
+    def spy(step, *a, **kw):
+        timed.append(step)
+        return real_time_step(step, *a, **kw)
+
+    monkeypatch.setattr("logitless.bench.runner.time_step", spy)
+    wrong = Provider("wrong", "loss scaled by 1.5", {"train": lambda: _wrong_loss})
+    broken = Provider("broken", "raises", {"train": lambda: _raises})
+    monkeypatch.setattr(providers, "REGISTRY", [*providers.REGISTRY, wrong, broken])
+    out = tmp_path / "out"
+    argv = [*TINY, "--job", "train", "--providers", "torch-eager,wrong,broken", "--out", str(out), "--no-plots"]
+    assert bench_cli.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    by = {}
+    for r in doc["results"]:
+        by.setdefault(r["provider"], []).append(r)
+    assert {r["status"] for r in by["wrong"]} == {"failed check"}
+    assert all(r["median_ms"] is None and r["phase_status"] == "not timed" for r in by["wrong"])
+    assert "loss" in by["wrong"][0]["error"] and "PyTorch" in by["wrong"][0]["error"]
+    assert {r["status"] for r in by["broken"]} == {"error"}
+    assert "deliberately broken" in by["broken"][0]["error"]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in by["torch-eager"])
+    assert len(timed) == 2  # the eager provider's two phases, nothing of the failing ones
+    checks = {c["provider"]: c["comparisons"] for c in doc["checks"]}
+    assert not next(c for c in checks["wrong"] if c["name"] == "loss")["ok"]
+    assert all(c["ok"] for c in checks["torch-eager"])
+    assert "FAIL" in (out / "table.txt").read_text()
+
+
+def test_time_failing_times_them_anyway(tmp_path, monkeypatch):
+    wrong = Provider("wrong", "loss scaled by 1.5", {"train": lambda: _wrong_loss})
+    monkeypatch.setattr(providers, "REGISTRY", [*providers.REGISTRY, wrong])
+    out = tmp_path / "out"
+    argv = [*TINY, "--job", "train", "--providers", "wrong", "--out", str(out), "--no-plots", "--time-failing"]
+    assert bench_cli.main(argv) == 0
+    recs = json.loads((out / "results.json").read_text())["results"]
+    assert all(r["status"] == "failed check" and r["median_ms"] > 0 for r in recs)
+
+
+def test_rel_err_is_the_tests_rule():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, 7, generator=g), torch.randn(50, 7, generator=g)
+    for x, y in ((a, b), (a.bfloat16(), b), (a, a), (torch.full_like(a, float("nan")), b)):
+        assert check.rel_err(x, y) == helpers.rel_err(x, y)
+    ok = check.Comparison("loss", err=2e-3, err_torch=1e-3)
+    bad = check.Comparison("loss", err=2.1e-3, err_torch=1e-3)
+    assert ok.ok and not bad.ok
+
+
+def test_cpu_peak_memory_counts_temporaries_not_outputs():
+    # A 40 MB temporary freed inside the run, a 4 MB output kept: the peak above inputs and outputs is 40 MB.
+    def fwd():
+        tmp = torch.ones(10_000_000)
+        out = torch.empty(1_000_000).copy_(tmp[:1_000_000])
+        del tmp
+        return out
+
+    x = torch.ones(1000)
+    peak = measure.peak_extra_bytes(Step(fwd, None), lambda: None, torch.device("cpu"), [x], [])
+    assert 40e6 <= peak <= 40e6 + 1e5
+
+
+def test_memory_gap_shows_on_the_cpu(tmp_path):
+    # At the CPU preset's N and V, what the library is for must show: eager builds the logits, the chunked path
+    # does not. (D is smaller than the preset's to keep the test fast; it does not change the logits' size.)
+    out = tmp_path / "out"
+    n, v = cases.PRESETS["cpu-small"][0], cases.PRESETS["cpu-small"][2]
+    argv = ["--job", "train", "--shape", f"{n},16,{v}", "--providers", "logitless-torch,torch-eager",
+            "--no-progress", "--budget", "0.01", "--min-reps", "1", "--max-reps", "1", "--out", str(out),
+            "--no-plots"]
+    assert bench_cli.main(argv) == 0
+    recs = json.loads((out / "results.json").read_text())["results"]
+    peak = {(r["job"], r["phase"], r["provider"]): r["peak_mib"] for r in recs}
+    logits_mib = n * v * 4 / 2**20
+    assert peak[("train", "fwd+bwd", "torch-eager")] > 2 * logits_mib
+    assert peak[("train", "fwd+bwd", "logitless-torch")] < 0.5 * logits_mib
+    assert peak[("train", "no-grad", "torch-eager")] > logits_mib
