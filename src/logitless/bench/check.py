@@ -23,8 +23,12 @@ TINY = 1e-6
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64; NaN anywhere in x (where ref is finite) counts as infinite error."""
-    x64, r64 = x.detach().double().cpu(), ref.detach().double().cpu()
+    """||x - ref|| / ||ref|| in float64; NaN anywhere in x (where ref is finite) counts as infinite error.
+
+    Computed on the reference's device: a weight gradient at a real vocabulary is gigabytes in float64, and
+    copying it to the host would cost seconds per comparison."""
+    r64 = ref.detach().double()
+    x64 = x.detach().to(device=r64.device, dtype=torch.float64)
     if x64.shape != r64.shape:
         raise ValueError(f"shape {tuple(x64.shape)} != reference shape {tuple(r64.shape)}")
     if torch.isnan(x64).any() and not torch.isnan(r64).any():
@@ -82,32 +86,36 @@ def evaluate(job: str, fn, inp: Inputs, *, grad: bool, cast=None):
 
 
 class Reference:
-    """Float64 truth and PyTorch's same-dtype results on the check slice of one case, computed once."""
+    """Float64 truth on the check slice of one case, and PyTorch's same-dtype errors against it, computed once
+    and shared by every provider."""
 
     def __init__(self, job: str, inp: Inputs, phases):
         self.job, self.inp = job, inp
-        self.results = {}
+        self.truth = {}  # phase -> (value, gradients, gradient names), float64
+        self.err_torch = {}  # phase -> [error of the value, error of each gradient]
         for phase in phases:
             grad = phase == "fwd+bwd"
-            truth = evaluate(job, _naive(job, True), inp, grad=grad, cast=torch.float64)
-            same = evaluate(job, _naive(job, False), inp, grad=grad)
-            self.results[phase] = (truth, same)
+            tv, tg, names = evaluate(job, _naive(job, True), inp, grad=grad, cast=torch.float64)
+            sv, sg, _ = evaluate(job, _naive(job, False), inp, grad=grad)
+            self.truth[phase] = (tv, tg, names)
+            self.err_torch[phase] = [rel_err(sv, tv)] + [rel_err(s, t) for s, t in zip(sg, tg, strict=True)]
+            del sv, sg
 
     def truth_value(self, phase: str) -> float:
         """The mean float64 value (loss in nats, or mean log p) on the slice, for the data description."""
-        return float(self.results[phase][0][0].double().mean())
+        return float(self.truth[phase][0].double().mean())
 
     def compare(self, fn) -> list[Comparison]:
         out = []
         value_name = "logp" if self.job == "logprobs" else "loss"
-        for phase, ((tv, tg, names), (sv, sg, _)) in self.results.items():
+        for phase, (tv, tg, names) in self.truth.items():
             grad = phase == "fwd+bwd"
             value, grads, _ = evaluate(self.job, fn, self.inp, grad=grad)
+            e_value, *e_grads = self.err_torch[phase]
             suffix = "" if grad else " (no grad)"
-            out.append(Comparison(value_name + suffix, rel_err(value, tv), rel_err(sv, tv)))
-            for name, g, t, s in zip(names, grads, tg, sg, strict=True):
-                if g is None:
-                    out.append(Comparison(name, float("inf"), rel_err(s, t)))
-                else:
-                    out.append(Comparison(name, rel_err(g, t), rel_err(s, t)))
+            out.append(Comparison(value_name + suffix, rel_err(value, tv), e_value))
+            del value
+            for name, g, t, e in zip(names, grads, tg, e_grads, strict=True):
+                out.append(Comparison(name, float("inf") if g is None else rel_err(g, t), e))
+            del grads
         return out
