@@ -200,3 +200,12 @@ def test_memory_gap_shows_on_the_cpu(tmp_path):
     assert peak[("train", "fwd+bwd", "torch-eager")] > 2 * logits_mib
     assert peak[("train", "fwd+bwd", "logitless-torch")] < 0.5 * logits_mib
     assert peak[("train", "no-grad", "torch-eager")] > logits_mib
+
+
+def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch, capsys):
+    # `pip install -e .` has no matplotlib: the run must still print and write everything else.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out"
+    assert bench_cli.main([*TINY, "--job", "ce", "--providers", "floor", "--out", str(out)]) == 0
+    assert "plots skipped" in capsys.readouterr().out
+    assert (out / "results.json").exists() and not (out / "bench_ce.png").exists()

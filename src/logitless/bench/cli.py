@@ -248,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     report.write_csv(result, os.path.join(args.out, "results.csv"))
     written = ["table.txt", "table.md", "results.json", "results.csv"]
     if not args.no_plots:
-        written += [os.path.basename(p) for p in report.write_plots(result, args.out)]
+        try:
+            written += [os.path.basename(p) for p in report.write_plots(result, args.out)]
+        except ImportError as e:
+            print(f"plots skipped: {e} (pip install matplotlib, or the package's [bench] extra)")
     print(f"wrote {', '.join(written)} to {args.out}")
     return 0
 
