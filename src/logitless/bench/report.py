@@ -90,9 +90,11 @@ def tables(run: Run, markdown: bool = False) -> str:
 
 
 def legend(run: Run) -> str:
-    lines = []
+    by_name: dict[str, list[str]] = {}
     for job, name in sorted(run.ours.items()):
-        lines.append(f"x ours ({job}): time over {name}'s; x floor: over the dense floor's (same phase, same run)")
+        by_name.setdefault(name, []).append(job)
+    ours = "; ".join(f"{name}'s ({', '.join(jobs)})" for name, jobs in by_name.items())
+    lines = [f"x ours: time over {ours}; x floor: over the dense floor's; both in the same phase of the same run"]
     for name, reason in run.unavailable.items():
         lines.append(f"not run: {name}: {reason}")
     return "\n".join(lines)
