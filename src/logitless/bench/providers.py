@@ -5,8 +5,8 @@ Per job a provider supplies a function:
   logprobs  fn(input, linear_weight, target) -> log p(target) per token, (N,)
   ce        fn(logits, target) -> mean loss (scalar)
 The runner makes the inputs leaves that require grad for the "fwd+bwd" phase and calls ``backward`` itself. The
-dense floor is the exception: it is no loss, only the matrix products (or the copy) that any implementation of
-the job must at least pay for, and it is neither checked nor differentiated.
+dense floor is the exception: it is no loss, only the matrix products (or the copy) that a dense implementation
+of the job must at least pay for, and it is neither checked nor differentiated.
 
 Peers are optional: a provider whose package does not import, or that cannot run on the device, is listed as
 unavailable with the reason and skipped. ``REGISTRY`` is the list the command draws from (tests add to it).
