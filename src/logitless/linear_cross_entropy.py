@@ -25,40 +25,56 @@ def _kernels():
 
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
-                 "float inv_temp, bool want_smooth, bool want_entropy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
+                 "float skip_threshold) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
-def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy):
-    """(m, logs, zt, sw, ent), each (N,) float32; lse = m + logs and sw = sum_j w_j (z_j - m). For autograd the row
-    max m is a constant offset (every use of these statistics is invariant to shifting it), so its gradient is
-    ignored and logs carries d lse/dz_j = p_j."""
-    return _kernels().forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
-                                    want_smooth=want_smooth, want_entropy=want_entropy)
+def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
+              skip_threshold):
+    """(m, logs, zt, sw, ent), each (N,) float32, and the per-(token block, tile) log-sum-exp maxima that the
+    backward's skipping needs (empty unless want_tiles); lse = m + logs and sw = sum_j w_j (z_j - m). For autograd
+    the row max m is a constant offset (every use of these statistics is invariant to shifting it), so its gradient
+    is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order) and skip_threshold are for the
+    backward."""
+    lh = _kernels()
+    tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
+    stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
+                             want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles)
+    if tiles is None or x.shape[0] == 0:
+        tiles = x.new_empty(0, dtype=torch.float32)
+    return (*stats, tiles)
 
 
 @_stats_op.register_fake
-def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy):
-    return tuple(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5))
+def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
+      skip_threshold):
+    tiles = (x.new_empty(_kernels().tile_grid(x, weight), dtype=torch.float32)
+             if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float32))
+    return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles)
 
 
 _GRAD_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, Tensor m, Tensor logs, "
                 "Tensor A, Tensor? B, Tensor? C, Tensor? E, float? softcap, float inv_temp, bool need_dx, "
-                "bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor)")
+                "bool need_dw, bool need_db, Tensor? perm, Tensor? tile_lse, float skip_threshold) "
+                "-> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
 def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-             need_db):
-    """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty."""
+             need_db, perm, tile_lse, skip_threshold):
+    """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty.
+    With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
-                                     inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+                                     inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                                     perm=perm, tile_lse=tile_lse, skip_threshold=skip_threshold)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
 
 
 @_grad_op.register_fake
-def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db):
+def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
+      perm, tile_lse, skip_threshold):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -66,24 +82,25 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 
 
 def _stats_setup_context(ctx, inputs, output):
-    x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy = inputs
-    m, logs, _, _, ent = output
-    ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent)
-    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy)
+    x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau = inputs
+    m, logs, _, _, ent, tiles = output
+    ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
+                          tiles if want_tiles and x.shape[0] != 0 else None)
+    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau)
 
 
-def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent):
-    x, weight, bias, target, class_weight, m, logs, ent = ctx.saved_tensors
-    softcap, inv_temp, want_smooth, want_entropy = ctx.opts
+def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles):
+    x, weight, bias, target, class_weight, m, logs, ent, perm, tiles = ctx.saved_tensors
+    softcap, inv_temp, want_smooth, want_entropy, tau = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
-        return (None,) * 9
+        return (None,) * 12
     A, B, C, E = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                    g_sw if want_smooth else None, g_ent if want_entropy else None)
     dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                          need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 6
+                          need_dx, need_dw, need_db, perm, tiles, tau)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 9
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
@@ -106,11 +123,73 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
     return A, B, C, E
 
 
-def head_stats(args: _validate.HeadArgs, class_weight, softcap, inv_temp, want_smooth, want_entropy):
-    """Per-row statistics (m, logs, zt, sw, ent) of a validated head, through the Triton kernels (differentiable)."""
+# ---------------------------------------------------------------------------------------------------------------
+# Sparsity options: the skip threshold and the vocabulary order
+
+# Default skipped-mass budget per row for bf16/fp16 inputs: 1/8 of the 2^-9 relative error that PyTorch's own
+# bf16 softmax makes in every gradient row (docs/kernels.md). float32 inputs skip nothing unless asked.
+DEFAULT_SKIP_THRESHOLD = 2.0**-12
+VOCAB_ORDERS = ("batch", "none")
+
+
+def check_skip_options(skip_threshold, vocab_order, num_classes: int, device) -> None:
+    """ValueError/TypeError for a bad skip_threshold (None or a float in [0, 1)) or vocab_order ("batch", "none",
+    or a (V,) tensor of per-class counts on the input's device)."""
+    if skip_threshold is not None:
+        if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)):
+            raise TypeError(f"skip_threshold must be None or a Python float, got {type(skip_threshold).__name__}")
+        if not 0.0 <= float(skip_threshold) < 1.0:
+            raise ValueError(f"skip_threshold must be in [0, 1) (a fraction of each row's probability mass), "
+                             f"got {skip_threshold}")
+    if isinstance(vocab_order, torch.Tensor):
+        if vocab_order.shape != (num_classes,):
+            raise ValueError(f"vocab_order as a tensor must hold one count per class, shape ({num_classes},), "
+                             f"got {tuple(vocab_order.shape)}")
+        if vocab_order.device != device:
+            raise ValueError(f"vocab_order is on {vocab_order.device}, input on {device}")
+        if vocab_order.is_complex() or vocab_order.dtype == torch.bool:
+            raise TypeError(f"vocab_order counts must be real numbers, got {vocab_order.dtype}")
+    elif vocab_order not in VOCAB_ORDERS:
+        raise ValueError(f"vocab_order must be one of {VOCAB_ORDERS} or a tensor of per-class counts, "
+                         f"got {vocab_order!r}")
+
+
+def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """(V,) float32 count of each class among the non-ignored targets, on the targets' device, without a host sync
+    (no bincount: its output size would need one)."""
+    t = target.reshape(-1)
+    valid = (t != ignore_index) & (t >= 0) & (t < num_classes)
+    idx = torch.where(valid, t, num_classes)
+    counts = torch.zeros(num_classes + 1, device=t.device, dtype=torch.float32)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))[:num_classes]
+
+
+def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_index, bounded: bool):
+    """(perm, want_tiles, threshold) for the Triton path: tiles are recorded, and the vocabulary ordered, only when
+    the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
+    probability mass bounds, tiles that allow it)."""
+    x, w = args.x, args.weight
+    tau = (DEFAULT_SKIP_THRESHOLD if x.dtype in (torch.bfloat16, torch.float16) else 0.0) \
+        if skip_threshold is None else float(skip_threshold)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, args.bias))
+    if not (tau > 0.0 and grads and bounded and x.shape[0] > 0 and _kernels().skip_supported(x)):
+        return None, False, 0.0
+    perm = None
+    if isinstance(vocab_order, torch.Tensor):
+        perm = _kernels().vocab_order(vocab_order.detach(), x, w)
+    elif vocab_order == "batch" and args.target is not None:
+        perm = _kernels().vocab_order(class_counts(args.target, w.shape[0], ignore_index), x, w)
+    return perm, True, tau
+
+
+def head_stats(args: _validate.HeadArgs, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm=None,
+               want_tiles=False, skip_threshold=0.0):
+    """Per-row statistics (m, logs, zt, sw, ent) of a validated head, through the Triton kernels (differentiable);
+    perm / want_tiles / skip_threshold from skip_setup."""
     cw = None if class_weight is None else class_weight.float().contiguous()
     return _stats_op(args.x, args.weight, args.bias, args.target, cw, None if softcap is None else float(softcap),
-                     float(inv_temp), bool(want_smooth), bool(want_entropy))
+                     float(inv_temp), bool(want_smooth), bool(want_entropy), perm, bool(want_tiles),
+                     float(skip_threshold))[:5]
 
 
 def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
@@ -142,6 +221,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     backend: str = "auto",
     deterministic: bool = False,
+    skip_threshold: float | None = None,
+    vocab_order: str | torch.Tensor = "batch",
     process_group=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` against ``target``, never building the logits.
@@ -168,6 +249,16 @@ def linear_cross_entropy(
             "triton" or "torch".
         deterministic: ask for gradients that are bitwise identical run to run. Both backends already give them
             (the Triton backward uses no atomics and reduces in a fixed order), so this never changes the result.
+        skip_threshold: the largest fraction of each row's probability mass whose gradient the Triton backward may
+            skip (cold tiles of the softmax, neither recomputed nor multiplied); each gradient row then changes by
+            at most ``skip_threshold`` times its coefficient. ``None`` (default): 2**-12 for bfloat16/float16
+            inputs, below their resolution, and 0 for float32; 0 skips nothing. A tile holding a target is never
+            skipped, and nothing is skipped with ``label_smoothing > 0``, on the PyTorch path or with
+            ``process_group``. See docs/kernels.md.
+        vocab_order: how the Triton path orders the vocabulary when it may skip, so that frequent classes share
+            tiles: "batch" (default: by the counts of this batch's targets), "none", or a (V,) tensor of per-class
+            counts (e.g. kept across steps; ``LinearCrossEntropyLoss(vocab_order="running")`` does that). The
+            result does not depend on it beyond rounding.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.
@@ -190,16 +281,21 @@ def linear_cross_entropy(
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     weight = _validate.check_class_weight(weight, linear_weight.shape[0], input.device)
+    check_skip_options(skip_threshold, vocab_order, linear_weight.shape[0], input.device)
     chosen = resolve_backend(backend, input.device, "linear_cross_entropy")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
-        return _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
+        return _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
+                           vocab_order)
     return reference.lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
 
 
-def _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap):
+def _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
+                vocab_order):
     V = args.weight.shape[0]
     class_w = None if weight is None else weight.float()
-    m, logs, zt, sw, _ = head_stats(args, class_w, softcap, 1.0, label_smoothing > 0.0, False)
+    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
+    skip = skip_setup(args, skip_threshold, vocab_order, ignore_index, bounded=label_smoothing == 0.0)
+    m, logs, zt, sw, _ = head_stats(args, class_w, softcap, 1.0, label_smoothing > 0.0, False, *skip)
     valid, w_t, w_sum = reference.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, V, m.dtype)
     # sw is taken relative to the row max, so ref = m.
     per_token = reference.ce_loss_from_stats(m, logs, zt, sw, m, valid, w_t, w_sum, label_smoothing, z_loss, V)

@@ -3,14 +3,25 @@
 Launchers (no autograd here). Inputs are 2-D and already validated: x (N, D) and W (V, D) of one dtype (float32,
 bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Strides are free (no copies are made).
 
-    forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy)
+    forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
+                  tile_lse=None)
         -> (m, logs, zt, sw, ent), each (N,) float32:
            m = max_j z_j;  logs = log sum_j exp(z_j - m) (lse = m + logs, kept apart so that z - m stays exact);
            zt = z_target;  sw = sum_j w_j (z_j - m) (w_j the class weights, or 1);  ent = entropy of softmax(z).
            zt / sw / ent are 0 when not asked for (target None, want_smooth / want_entropy False).
-    backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db)
+           tile_lse, a float32 buffer of tile_grid(x, w), receives per (token block b, vocabulary tile t) the
+           largest log sum_{j in t} exp(z_ij) over the rows i of b: the statistic that bounds what the backward
+           may skip (skip_plan).
+    backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
+             perm=None, tile_lse=None, skip_threshold=0.0)
         -> (dx | None, dw | None, db | None), in the dtypes of x, W and b, for the per-row float32 coefficients of
            dL/dz_j = p_j (A + B (z_j - m)) - C [j == target] - E w_j  (B, C, E may be None: that term is absent).
+           With tile_lse and skip_threshold > 0 (and no B or E term), the (token block, tile) pairs that skip_plan
+           finds cold are skipped: neither recomputed nor multiplied.
+
+`perm` (optional, (V,) int32 from vocab_order) is an order of the vocabulary: tile t holds the classes
+perm[t BLOCK_V ...], so that frequent classes share tiles. The kernels read W rows, bias and class weights through it
+and write each dW row back to its own row; nothing of size V x D is copied. Forward and backward take the same perm.
 
 `target` is (N,) int64 of class indices *local to W*: a value outside [0, V) (ignore_index, or a class held by
 another vocabulary shard, the caller passing target - shard_start) contributes no target logit (zt = 0) and no
@@ -23,6 +34,11 @@ gradient products: dW rows of the chunk (reduction over all tokens, in registers
 dx accumulator (read-modify-write once per chunk). The workspaces are carved out of the gradient buffers before
 they are written, so the extra memory stays O(N) plus a bounded scratch; nothing uses atomics, so every gradient is
 bitwise reproducible.
+
+Sparsity (docs/kernels.md): on a peaked softmax most (token block x tile) pairs hold a probability mass far below the
+input dtype's resolution. skip_plan bounds, per row, the mass of the pairs it skips by skip_threshold and never skips
+a tile that holds a row's target; the dz kernel returns at once on a cold pair, and both products walk only the hot
+pairs (a list per token block and per tile, built on the device).
 """
 
 from __future__ import annotations
@@ -85,16 +101,19 @@ def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _logits_tile(
-    x_ptr, w_ptr, row0, col0, N, col_end, D,
+    x_ptr, w_ptr, perm_ptr, row0, col0, N, col_end, D,
     stride_xn, stride_xd, stride_wv, stride_wd,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Raw float32 logits [BLOCK_N, BLOCK_V] of rows row0.. and classes col0.. (int64 scalars). Rows >= N and
-    classes >= col_end repeat the last valid one (no masks in the loop); the caller masks them."""
+    """Raw float32 logits [BLOCK_N, BLOCK_V] of rows row0.. and vocabulary positions col0.. (int64 scalars; the
+    classes perm[col] with a perm). Rows >= N and positions >= col_end repeat the last valid one (no masks in the
+    loop); the caller masks them."""
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1)
     cols = tl.minimum(col0 + tl.arange(0, BLOCK_V), col_end - 1)
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols).to(tl.int64)
     x_ptrs = x_ptr + (rows[:, None] * stride_xn + offs_k[None, :] * stride_xd)
     w_ptrs = w_ptr + (cols[:, None] * stride_wv + offs_k[None, :] * stride_wd)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -113,9 +132,18 @@ def _logits_tile(
 
 
 @triton.jit
+def _classes(perm_ptr, cols, col_ok, HAS_PERM: tl.constexpr):
+    # Vocabulary positions -> class indices (rows of W, entries of the bias and class weights); -1 where masked.
+    if HAS_PERM:
+        return tl.load(perm_ptr + cols, mask=col_ok, other=-1).to(tl.int64)
+    return tl.where(col_ok, cols, -1)
+
+
+@triton.jit
 def _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp,
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr):
-    """Raw logits -> (z, zc): zc = softcap * tanh((acc + b) / softcap) (or acc + b), z = zc * inv_temp."""
+    """Raw logits -> (z, zc): zc = softcap * tanh((acc + b) / softcap) (or acc + b), z = zc * inv_temp. `cols` are
+    class indices (masked by col_ok)."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
@@ -147,17 +175,18 @@ def _grouped(tile, n_rows, n_cols, GROUP: tl.constexpr):
 @triton.jit
 def _fwd_kernel(
     # pointers
-    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr,
-    m_out, s_out, zt_out, sw_out, ent_out, ws_out,
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
+    m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out,
     # sizes
-    N, V, D, tiles_per_split, n_splits,
+    N, V, D, tiles_per_split, n_splits, n_vtiles,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd,
     # options
     softcap, inv_temp,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
+    RECORD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -179,11 +208,12 @@ def _fwd_kernel(
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
     for _ in range(j0, j1):
-        cols = col0 + tl.arange(0, BLOCK_V)
+        cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
         col_ok = cols < V
-        acc = _logits_tile(x_ptr, w_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                           BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        z, zc = _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+        cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
+        acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
+                           HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
         # [BLOCK_N, BLOCK_V]; classes past V hold finite values (zero weights read) and are masked below.
         m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
         alpha = tl.exp(m - m_new)
@@ -191,13 +221,19 @@ def _fwd_kernel(
         e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
         if HAS_ENTROPY:
             ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
-        s = s * alpha + tl.sum(e, axis=1)
+        e_sum = tl.sum(e, axis=1)
+        s = s * alpha + e_sum
+        if RECORD_TILES:
+            # The tile's log-sum-exp per row (exact: m_new + log of its own sum), maxed over the block's rows. A
+            # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
+            tile_lse = tl.where(row_ok, m_new + tl.log(e_sum), float("-inf"))
+            tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
         if HAS_TARGET:
             # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
-            zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+            zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
         if HAS_SMOOTH:
             if HAS_CLASS_WEIGHT:
-                cw = tl.load(cw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                cw = tl.load(cw_ptr + cls, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 cw = col_ok.to(tl.float32)
             sw = sw - wsum * (m_new - m) + tl.sum(cw[None, :] * d, axis=1)
@@ -269,10 +305,10 @@ def _combine_kernel(
 @triton.jit
 def _dz_kernel(
     # pointers
-    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr,
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
     dz_ptr, dbp_ptr,
     # sizes
-    N, D, v_begin, v_end,
+    N, D, v_begin, v_end, n_vtiles,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dbp,
     # options
@@ -280,7 +316,7 @@ def _dz_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
-    HAS_DB: tl.constexpr,
+    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -288,17 +324,27 @@ def _dz_kernel(
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
     pid_n = pid // n_vt
     pid_v = pid % n_vt
+    lcol0 = pid_v.to(tl.int64) * BLOCK_V  # column offset inside the chunk
+    lcols = lcol0 + tl.arange(0, BLOCK_V)
+    if SKIP:
+        # A cold (token block, tile) pair: no recomputation, no dz (the products never read it), no bias gradient.
+        # v_begin is a multiple of BLOCK_V, so this program's tile is one tile of the map.
+        hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
+        if hot == 0:
+            if HAS_DB:
+                tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
+                         mask=lcols < v_end - v_begin)
+            return
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    lcol0 = pid_v.to(tl.int64) * BLOCK_V  # column offset inside the chunk
     col0 = lcol0 + v_begin
-    lcols = lcol0 + tl.arange(0, BLOCK_V)
     cols = col0 + tl.arange(0, BLOCK_V)
     col_ok = cols < v_end
-    acc = _logits_tile(x_ptr, w_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                       BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-    z, zc = _transform(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+    cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
+    acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv, stride_wd,
+                       HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+    z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     rows_in = tl.minimum(rows, N - 1)  # rows past N repeat the last one (finite values); never stored
     m = tl.load(m_ptr + rows_in)
     logs = tl.load(logs_ptr + rows_in)
@@ -312,11 +358,11 @@ def _dz_kernel(
     if HAS_C:
         tgt = tl.load(t_ptr + rows_in)
         c = tl.load(c_ptr + rows_in)
-        g = g - tl.where(cols[None, :] == tgt[:, None], c[:, None], 0.0)
+        g = g - tl.where(cls[None, :] == tgt[:, None], c[:, None], 0.0)
     if HAS_E:
         e = tl.load(e_ptr + rows_in)
         if HAS_CLASS_WEIGHT:
-            cw = tl.load(cw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            cw = tl.load(cw_ptr + cls, mask=col_ok, other=0.0).to(tl.float32)
             g = g - e[:, None] * cw[None, :]
         else:
             g = g - e[:, None]
@@ -340,10 +386,11 @@ def _dz_kernel(
 
 @triton.jit
 def _dw_tile(
-    tile, dz_ptr, x_ptr, dw_ptr,
-    N, D, n_vrows, k_per_split, n_out_tiles,
+    tile, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_ptr, pre_ptr,
+    N, D, n_vrows, k_per_split, n_out_tiles, n_blocks, tile0,
     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, SCATTER: tl.constexpr, SKIP: tl.constexpr, MAP_N: tl.constexpr, MAP_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     ks = tile // n_out_tiles  # split of the token (reduction) dimension; partials go to slice ks of dw_ptr
@@ -355,32 +402,59 @@ def _dw_tile(
     d_ok = offs_d < D
     k_lo = ks.to(tl.int64) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, N)
-    # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep the
-    # loads vectorised, where clamped indices would not.
-    a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
-    b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
-        a_ptrs += BLOCK_K * stride_dz
-        b_ptrs += BLOCK_K * stride_xn
-    out = dw_ptr + ks.to(tl.int64) * stride_dws + (offs_m[:, None] * stride_dwv + offs_d[None, :] * stride_dwd)
+    dense = True
+    if SKIP:
+        # The hot token blocks of this tile of the map (MAP_V is a multiple of BLOCK_M; k_lo of MAP_N), ascending:
+        # list_ptr[t, pre[t, b_lo] : pre[t, b_hi]]. All of them hot: the dense loop below.
+        t = tile0 + (pid_m * BLOCK_M) // MAP_V
+        b_lo = k_lo // MAP_N
+        b_hi = tl.cdiv(k_hi, MAP_N)
+        s_lo = tl.load(pre_ptr + t * (n_blocks + 1) + b_lo)
+        s_hi = tl.load(pre_ptr + t * (n_blocks + 1) + b_hi)
+        dense = s_hi - s_lo == b_hi - b_lo
+        if not dense:
+            STEPS: tl.constexpr = MAP_N // BLOCK_K
+            for s in range(s_lo * STEPS, s_hi * STEPS):
+                blk = tl.load(list_ptr + t * n_blocks + s // STEPS).to(tl.int64)
+                kk = blk * MAP_N + (s % STEPS) * BLOCK_K + offs_k
+                k_ok = kk < k_hi
+                a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]), mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+    if dense:
+        # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
+        # the loads vectorised, where clamped indices would not.
+        a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
+        b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
+        for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+            a_ptrs += BLOCK_K * stride_dz
+            b_ptrs += BLOCK_K * stride_xn
+    out_rows = offs_m
+    if SCATTER:
+        # Vocabulary position -> its class's own row of dW (perm_ptr points at the chunk's first position).
+        out_rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    out = dw_ptr + ks.to(tl.int64) * stride_dws + (out_rows[:, None] * stride_dwv + offs_d[None, :] * stride_dwd)
     tl.store(out, _cast(acc, dw_ptr.dtype.element_ty, UPCAST), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _dx_tile(
-    tile, dz_ptr, w_ptr, dx_ptr,
-    N, D, n_vrows,
+    tile, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_ptr, pre_ptr,
+    N, D, n_vrows, n_vtiles, tile0, tile1,
     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd,
-    ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
+    MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -392,66 +466,107 @@ def _dx_tile(
     m_ok = row0 + offs_m < N
     d_ok = offs_d < D
     m_in = tl.minimum(row0 + offs_m, N - 1)  # rows past N repeat the last one (strided dimension); not stored
-    a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
-    b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
     out = dx_ptr + row0 * stride_dxn + (offs_m[:, None] * stride_dxn + offs_d[None, :] * stride_dxd)
     ok = m_ok[:, None] & d_ok[None, :]
     if ACCUMULATE:
         acc = tl.load(out, mask=ok, other=0.0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < n_vrows - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wv
+    dense = True
+    if SKIP:
+        # The hot tiles of this token block (MAP_N is a multiple of BLOCK_M) inside the chunk's tiles [tile0, tile1),
+        # ascending: list_ptr[blk, pre[blk, tile0] : pre[blk, tile1]]. All of them hot: the dense loop below.
+        blk = row0 // MAP_N
+        s_lo = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile0)
+        s_hi = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile1)
+        dense = s_hi - s_lo == tile1 - tile0
+        if not dense:
+            STEPS: tl.constexpr = MAP_V // BLOCK_K
+            for s in range(s_lo * STEPS, s_hi * STEPS):
+                t = tl.load(list_ptr + blk * n_vtiles + s // STEPS)
+                kk = (t - tile0).to(tl.int64) * MAP_V + (s % STEPS) * BLOCK_K + offs_k  # columns of the chunk
+                k_ok = kk < n_vrows
+                a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
+                wr = kk
+                if HAS_PERM:
+                    wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+                b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+    if dense:
+        a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
+        b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
+        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            if HAS_PERM:
+                # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
+                kk = k * BLOCK_K + offs_k
+                k_ok = kk < n_vrows
+                wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < n_vrows - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wv
     tl.store(out, acc, mask=ok)
 
 
 @triton.jit
 def _dgrad_kernel(
-    # pointers (w_ptr points at the chunk's first row, dw_ptr at its first output row or at the split partials)
-    dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr,
+    # pointers (dz_ptr, and dw_ptr unless SCATTER, at the chunk's first column / output row; w_ptr at the chunk's
+    # first row, or at W itself with a perm; perm_ptr at the chunk's first position)
+    dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, list_v_ptr, pre_v_ptr,
     # sizes
-    N, D, n_vrows, n_dw_tiles, k_per_split, n_dw_out_tiles,
+    N, D, n_vrows, n_dw_tiles, k_per_split, n_dw_out_tiles, n_blocks, n_vtiles, tile0, tile1,
     # strides
     stride_dz, stride_xn, stride_xd, stride_wv, stride_wd, stride_dwv, stride_dwd, stride_dws,
     stride_dxn, stride_dxd,
     # meta-parameters
     DO_DW: tl.constexpr, DO_DX: tl.constexpr, DX_ACCUMULATE: tl.constexpr, DW_EVEN_K: tl.constexpr,
-    DX_EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DX_EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, DW_SCATTER: tl.constexpr, SKIP: tl.constexpr,
+    MAP_N: tl.constexpr, MAP_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
+    # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
     pid = tl.program_id(0)
     if DO_DW and DO_DX:
         if pid < n_dw_tiles:
-            _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, N, D, n_vrows, k_per_split, n_dw_out_tiles,
-                     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws, DW_EVEN_K,
-                     BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+            _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr,
+                     N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
+                     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+                     DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION,
+                     UPCAST)
         else:
-            _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, N, D, n_vrows,
-                     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K,
-                     BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+            _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr,
+                     N, D, n_vrows, n_vtiles, tile0, tile1,
+                     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
+                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
     elif DO_DW:
-        _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, N, D, n_vrows, k_per_split, n_dw_out_tiles,
-                 stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws, DW_EVEN_K,
-                 BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+        _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr,
+                 N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
+                 stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+                 DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
     else:
-        _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, N, D, n_vrows,
-                 stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K,
-                 BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+        _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr,
+                 N, D, n_vrows, n_vtiles, tile0, tile1,
+                 stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
+                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, n, n_splits, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    # out = sum over splits of the float32 partials (n_splits, n), in split order, cast once to out's dtype.
+def _sum_splits_kernel(part_ptr, out_ptr, perm_ptr, n, n_splits, D,
+                       SCATTER: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    # out = sum over splits of the float32 partials (n_splits, n), in split order, cast once to out's dtype. With
+    # SCATTER, partial row r goes to row perm_ptr[r] of the contiguous (., D) output.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -459,7 +574,10 @@ def _sum_splits_kernel(part_ptr, out_ptr, n, n_splits, BLOCK: tl.constexpr, UPCA
     for _ in range(0, n_splits):
         acc += tl.load(ptrs, mask=ok, other=0.0)
         ptrs += n
-    tl.store(out_ptr + offs, _cast(acc, out_ptr.dtype.element_ty, UPCAST), mask=ok)
+    dst = offs
+    if SCATTER:
+        dst = tl.load(perm_ptr + offs // D, mask=ok, other=0).to(tl.int64) * D + offs % D
+    tl.store(out_ptr + dst, _cast(acc, out_ptr.dtype.element_ty, UPCAST), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -518,11 +636,119 @@ def _dummy(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Sparsity: the vocabulary order, and which (token block, tile) pairs the backward may skip
+
+
+def skip_supported(x: torch.Tensor) -> bool:
+    """Whether this input's tiles allow skipping: the dz tiles are the forward's (token block x tile), and the
+    gradient products' output tiles and reduction steps nest inside them."""
+    c = _config(x)
+    return (c.dz_block_v == c.block_v and c.block_v % c.block_m == 0 and c.block_v % c.block_kg == 0
+            and c.block_n % c.block_m == 0 and c.block_n % c.block_kg == 0)
+
+
+def tile_grid(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
+    """(token blocks, vocabulary tiles) of the forward's tiles: the shape of forward_stats' tile_lse."""
+    cfg = _config(x)
+    return triton.cdiv(x.shape[0], cfg.block_n), triton.cdiv(w.shape[0], cfg.block_v)
+
+
+def _segments(N: int, V: int, D: int, elt: int, cfg: Config) -> list[int]:
+    # Boundaries of the vocabulary ranges an order may permute within (the positions of a range hold the classes of
+    # that range). With bf16/fp16 inputs the backward keeps its workspaces in rows of dW that are not written yet:
+    # the dx accumulator in the rows after the first pass, and each second-pass chunk's dz in the rows after the
+    # chunk. A chunk may therefore write back only its own rows.
+    if elt == 4 or V * D < 2 * N * D + 8:
+        return [0, V]
+    _, dw_end = _acc_region(N, V, D, cfg, True)
+    return [0, dw_end] + [v1 for _, v1, _ in _second_pass(N, V, D, elt, cfg, dw_end, True)]
+
+
+def vocab_order(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(V,) int32 order of the vocabulary for per-class counts (V,): the classes of each range of _segments by
+    decreasing count (ties by index), so that frequent classes share tiles. Device ops only, no host sync."""
+    V = w.shape[0]
+    by_count = torch.sort(counts.reshape(V), descending=True, stable=True).indices
+    key = torch.argsort(by_count)  # rank of each class in the global order
+    for bound in _segments(x.shape[0], V, x.shape[1], x.element_size(), _config(x))[1:-1]:
+        key[bound:] += V
+    return torch.sort(key).indices.to(torch.int32)
+
+
+class SkipPlan(NamedTuple):
+    """Which (token block, tile) pairs of the forward's tiles the backward computes, and the lists its kernels walk."""
+
+    hot: torch.Tensor  # (n_blocks, n_vtiles) uint8: 1 where the pair is computed
+    list_n: torch.Tensor  # (n_blocks, n_vtiles) int32: per token block, its hot tiles first, ascending
+    pre_n: torch.Tensor  # (n_blocks, n_vtiles + 1) int32: hot tiles of the block before each tile
+    list_v: torch.Tensor  # (n_vtiles, n_blocks) int32: per tile, its hot token blocks first, ascending
+    pre_v: torch.Tensor  # (n_vtiles, n_blocks + 1) int32: hot blocks of the tile before each block
+    row_bound: torch.Tensor  # (N,) float32: bound on each row's skipped probability mass (0 where A = 0)
+
+
+# Fixed-point unit of the skipped-mass sums: threshold / 2^20 (each bound rounded up). An integer running sum is
+# exact, so the plan, and the gradients, are the same on every run.
+_UNIT = float(1 << 20)
+_NEVER = 1 << 40
+
+
+def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v) -> SkipPlan:
+    """The cold pairs for the backward, on the device (no host sync).
+
+    Pair (b, t) holds, for each row i of block b, the probability mass sum_{j in t} p_ij <= exp(tile_lse[b, t] -
+    lse_i). Per block, tiles are skipped coldest first while the sum of their bounds stays <= threshold for the
+    block's smallest lse_i among rows with A_i != 0 (rows with A_i = 0 have no p term to lose); a tile holding a
+    row's target is never skipped (the one-hot term). So every row loses at most `threshold` of its mass, and each
+    gradient row at most threshold * |A_i| (docs/kernels.md)."""
+    B, T = tile_lse.shape
+    N = m.shape[0]
+    inf = float("inf")
+    lse = m + logs
+    active = A != 0
+    lse_act = torch.where(active, lse, torch.full_like(lse, inf))
+    low = torch.nn.functional.pad(lse_act, (0, B * block_n - N), value=inf).view(B, block_n).amin(1)  # (B,)
+    log_bound = tile_lse.double() - low.double()[:, None]  # -inf for a block with no active row: all cold
+    q = (torch.exp(log_bound) * (_UNIT / threshold)).nan_to_num(nan=inf).clamp(max=_NEVER).ceil().to(torch.int64)
+    if target is not None:
+        pos = target
+        if perm is not None:
+            pos = torch.argsort(perm)[target.clamp(0, V - 1)]
+        valid = (target >= 0) & (target < V)
+        tile = torch.where(valid, pos // block_v, T)
+        rows_block = torch.arange(N, device=m.device) // block_n
+        forced = torch.zeros(B * (T + 1), device=m.device, dtype=torch.bool)
+        forced.index_fill_(0, rows_block * (T + 1) + tile, True)
+        q = torch.where(forced.view(B, T + 1)[:, :T], _NEVER, q)
+    q_sorted, order = torch.sort(q, dim=1, stable=True)
+    cold = torch.zeros_like(q, dtype=torch.bool).scatter_(1, order, q_sorted.cumsum(1) <= _UNIT)
+    hot = ~cold
+    mass = torch.where(cold, torch.exp(log_bound), 0.0).sum(1)  # per block, in units of exp(-low)
+    blk = torch.arange(N, device=m.device) // block_n
+    row_bound = torch.where(active, mass[blk] * torch.exp(low.double()[blk] - lse.double()), 0.0).float()
+    cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
+    pad = torch.nn.functional.pad
+    return SkipPlan(
+        hot.to(torch.uint8).contiguous(),
+        torch.sort(cold_i, dim=1, stable=True).indices.to(torch.int32).contiguous(),
+        pad(hot.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
+        torch.sort(cold_t, dim=1, stable=True).indices.to(torch.int32).contiguous(),
+        pad((1 - cold_t).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
+        row_bound,
+    )
+
+
+# Tests and the GPU script set this to a list: backward appends each SkipPlan it uses.
+DEBUG_PLANS: list | None = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Launchers
 
 
-def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy):
-    """Per-row (m, logs, zt, sw, ent) float32 of the head; see the module docstring."""
+def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
+                  tile_lse=None):
+    """Per-row (m, logs, zt, sw, ent) float32 of the head (and tile_lse filled when given); see the module
+    docstring."""
     N, D = x.shape
     V = w.shape[0]
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -532,21 +758,26 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     cfg = _config(x)
     n_blocks = triton.cdiv(N, cfg.block_n)
     n_vtiles = triton.cdiv(V, cfg.block_v)
+    if tile_lse is not None:
+        assert tile_lse.shape == (n_blocks, n_vtiles) and tile_lse.dtype == torch.float32
+        assert tile_lse.is_contiguous()
     want_splits = max(1, round(cfg.waves * _num_sms(x.device) / n_blocks))
     tiles_per_split = triton.cdiv(n_vtiles, min(n_vtiles, want_splits))
     n_splits = triton.cdiv(n_vtiles, tiles_per_split)
     part = _new((5, n_splits, N), **f32)
     wsum = _new(n_splits, **f32)
     has_target = target is not None
+    dummy = _dummy(x)
     _fwd_kernel[(n_blocks * n_splits,)](
-        x, w, b if b is not None else _dummy(x), target if has_target else _dummy(x),
-        class_w if class_w is not None else _dummy(x),
-        part[0], part[1], part[2], part[3], part[4], wsum,
-        N, V, D, tiles_per_split, n_splits,
+        x, w, b if b is not None else dummy, target if has_target else dummy,
+        class_w if class_w is not None else dummy, perm if perm is not None else dummy,
+        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy,
+        N, V, D, tiles_per_split, n_splits, n_vtiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
         HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
+        HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **_dot_flags(x),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
@@ -570,58 +801,96 @@ class _Plan(NamedTuple):
     cast_dx: bool  # dx_acc is not dx itself: copy it into dx at the end
 
 
-def _round_chunk(cols: int, block: int) -> int:
-    # At most 2^16 classes per chunk keeps every in-chunk offset times a row stride within int32.
+def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
+    # At most 2^16 classes per chunk keeps every in-chunk offset times a row stride within int32. Aligned (skipping,
+    # or a vocabulary order): a multiple of the tile, so that chunks are made of whole tiles of the map.
     cols = min(cols, 1 << 16)
+    if aligned:
+        return max(block, cols // block * block)
     return cols // block * block if cols >= block else max(cols, 1)
 
 
-def _scratch_cols(N: int, elt: int, block: int) -> int:
-    return _round_chunk(max(1, SCRATCH_BYTES // max(1, N * elt)), block)
+def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False) -> int:
+    # Aligned, a chunk of one tile may need more than SCRATCH_BYTES (N > SCRATCH_BYTES / (elt * block)).
+    return _round_chunk(max(1, SCRATCH_BYTES // max(1, N * elt)), block, aligned)
 
 
-def _plan(x, dx, dw, N, V, D, cfg) -> _Plan:
+def _acc_region(N: int, V: int, D: int, cfg: Config, aligned: bool) -> tuple[int, int]:
+    # (element offset in dW of the float32 dx accumulator, 16-byte aligned; first dW row the first pass leaves out).
+    start = (V * D - 2 * N * D) // 8 * 8
+    end = start // D
+    return start, (end // cfg.block_v * cfg.block_v if aligned else end)
+
+
+def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned: bool) -> list:
+    """(v0, v1, dz_in_dw) chunks of the second pass over dW rows [v0, V): dL/dz of a chunk goes into dW rows that are
+    still unwritten (after the chunk) while they last (N c <= (V - v0 - c) D), then into the scratch."""
+    scratch_cols = _scratch_cols(N, elt, cfg.block_v, aligned)
+    chunks = []
+    while v0 < V:
+        fits = _round_chunk((V - v0) * D // (N + D), cfg.block_v)
+        v1 = min(v0 + (fits if fits >= scratch_cols else scratch_cols), V)
+        chunks.append((v0, v1, fits >= scratch_cols))
+        v0 = v1
+    return chunks
+
+
+def _plan(x, dx, dw, N, V, D, cfg, aligned) -> _Plan:
     """Where the backward's workspaces live. Only O(N) plus SCRATCH_BYTES is allocated when both gradients are
     wanted in bfloat16/float16 and V >= 2N (the usual LM head), or for float32 inputs."""
-    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v)
+    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned)
     if dx is None:  # weight (and/or bias) gradient only
         return _Plan(None, scratch_cols, None, V, False)
     if x.dtype == torch.float32:  # dx is float32: accumulate in place
         return _Plan(None, scratch_cols, dx, V, False)
     # dx (bf16/fp16) is not written until the end: it holds dL/dz of a chunk of D classes meanwhile.
-    chunk = _round_chunk(D, cfg.block_v)
-    dz_main = dx.view(-1)[: N * chunk].view(N, chunk) if chunk >= scratch_cols else None
+    chunk = _round_chunk(D, cfg.block_v, aligned)
+    dz_main = dx.view(-1)[: N * chunk].view(N, chunk) if scratch_cols <= chunk <= D else None
     if dz_main is None:
         chunk = scratch_cols
     if dw is not None and V * D >= 2 * N * D + 8:
         # The float32 dx accumulator takes the bytes of the last 2N rows of dW (16-byte aligned); those dW rows
         # are computed after dx is final.
-        start = (V * D - 2 * N * D) // 8 * 8
+        start, dw_end = _acc_region(N, V, D, cfg, aligned)
         dx_acc = dw.view(-1)[start: start + 2 * N * D].view(torch.float32).view(N, D)
-        return _Plan(dz_main, chunk, dx_acc, start // D, True)
+        return _Plan(dz_main, chunk, dx_acc, dw_end, True)
     return _Plan(dz_main, chunk, _new((N, D), device=x.device, dtype=torch.float32), V, True)
 
 
-def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db):
-    """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring."""
+def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
+             perm=None, tile_lse=None, skip_threshold=0.0):
+    """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring.
+    perm and tile_lse are the forward's (same x and w); pairs are skipped only with skip_threshold > 0 and without
+    a B or E term (their error is not bounded by the probability mass alone)."""
     N, D = x.shape
     V = w.shape[0]
     need_db = bool(need_db and b is not None)
     dx = _new((N, D), device=x.device, dtype=x.dtype) if need_dx else None
     dw = _new((V, D), device=x.device, dtype=w.dtype) if need_dw else None
-    db = _new(V, device=x.device, dtype=torch.float32) if need_db else None
+    db = _new(V, device=x.device, dtype=torch.float32) if need_db else None  # in vocabulary positions until the end
     if N == 0 or D == 0:
         for g in (dx, dw, db):
             if g is not None:
                 g.zero_()
         return dx, dw, None if db is None else db.to(b.dtype)
     cfg = _config(x)
-    plan = _plan(x, dx, dw, N, V, D, cfg)
+    has_perm = perm is not None
+    aligned = has_perm or tile_lse is not None
+    skip = (tile_lse is not None and skip_threshold > 0 and B is None and E is None and skip_supported(x))
+    plan = _plan(x, dx, dw, N, V, D, cfg, aligned)
     dummy = _dummy(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     dot = _dot_flags(x)
     n_blocks = triton.cdiv(N, cfg.block_n)
+    n_vtiles = triton.cdiv(V, cfg.block_v)
     sms = _num_sms(x.device)
+    sp = None
+    if skip:
+        sp = skip_plan(tile_lse, m, logs, A, target if C is not None else None, perm, V, float(skip_threshold),
+                       cfg.block_n, cfg.block_v)
+        if DEBUG_PLANS is not None:
+            DEBUG_PLANS.append(sp)
+    lists = (sp.list_n, sp.pre_n, sp.list_v, sp.pre_v) if skip else (dummy,) * 4
     scratch = []  # one lazily allocated buffer of SCRATCH_BYTES (more only if one row of N tokens needs more)
 
     def scratch_view(shape, dtype):
@@ -632,20 +901,21 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         return scratch[0].view(dtype)[:n].view(shape)
 
     def dz_pass(v0, v1, dz, with_db):
+        assert not skip or v0 % cfg.block_v == 0
         store = dz is not None
         dbp = _new((n_blocks, v1 - v0), **f32) if with_db else None
         _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.dz_block_v),)](
             x, w, b if b is not None else dummy, target if target is not None else dummy,
-            class_w if class_w is not None else dummy, m, logs, A,
+            class_w if class_w is not None else dummy, perm if has_perm else dummy, m, logs, A,
             B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
-            dz if store else dummy, dbp if with_db else dummy,
-            N, D, v0, v1,
+            sp.hot if skip else dummy, dz if store else dummy, dbp if with_db else dummy,
+            N, D, v0, v1, n_vtiles,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
             dbp.stride(0) if with_db else 0,
             float(softcap or 1.0), float(inv_temp),
             HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0,
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
-            HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db,
+            HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db, HAS_PERM=has_perm, SKIP=skip,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )
@@ -661,32 +931,43 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         splits, k_per_split, part = 1, N, None
         if do_dw and not do_dx and n_out < sms and scratch_free:
             # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch,
-            # summed in a fixed order by a second kernel.
+            # summed in a fixed order by a second kernel. Skipping, the splits are made of whole token blocks.
             splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), SCRATCH_BYTES // (4 * rows * D)))
-            k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_kg) * cfg.block_kg
+            unit = cfg.block_n if skip else cfg.block_kg
+            k_per_split = triton.cdiv(triton.cdiv(N, splits), unit) * unit
             splits = triton.cdiv(N, k_per_split)
             if splits > 1:
                 part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
-        dw_out = part if part is not None else (dw[v0:v1] if do_dw else dummy)
+        scatter = do_dw and has_perm and part is None  # dW rows written straight to their classes' rows
+        if not do_dw:
+            dw_out = dummy
+        elif part is not None:
+            dw_out = part
+        else:
+            dw_out = dw if scatter else dw[v0:v1]
         n_dw_tiles = n_out * splits if do_dw else 0
         n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
         _dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
-            dz, x, w[v0:v1], dw_out, dx_acc if do_dx else dummy,
-            N, D, rows, n_dw_tiles, k_per_split, n_out,
+            dz, x, w if has_perm else w[v0:v1], dw_out, dx_acc if do_dx else dummy,
+            perm[v0:] if has_perm else dummy, *lists,
+            N, D, rows, n_dw_tiles, k_per_split, n_out, n_blocks, n_vtiles, v0 // cfg.block_v,
+            triton.cdiv(v1, cfg.block_v),
             dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             dw_out.stride(-2) if do_dw else 0, dw_out.stride(-1) if do_dw else 0,
             part.stride(0) if part is not None else 0,
             dx_acc.stride(0) if do_dx else 0, dx_acc.stride(1) if do_dx else 0,
             DO_DW=do_dw, DO_DX=do_dx, DX_ACCUMULATE=accumulate,
             DW_EVEN_K=N % cfg.block_kg == 0 and k_per_split % cfg.block_kg == 0,
-            DX_EVEN_K=rows % cfg.block_kg == 0,
+            DX_EVEN_K=rows % cfg.block_kg == 0, HAS_PERM=has_perm, DW_SCATTER=scatter, SKIP=skip,
+            MAP_N=cfg.block_n, MAP_V=cfg.block_v,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **dot,
             num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
         if part is not None:
             n = rows * D
-            _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, dw[v0:v1], n, splits, BLOCK=1024,
-                                                        UPCAST=dot["UPCAST"])
+            _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
+                                                        perm[v0:] if has_perm else dummy, n, splits, D,
+                                                        SCATTER=has_perm, BLOCK=1024, UPCAST=dot["UPCAST"])
 
     need_dz = need_dx or need_dw
     # First pass: every class once; dW rows below plan.dw_end, dx accumulated over all chunks.
@@ -706,21 +987,17 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
                 first = False
     if need_dx and plan.cast_dx:
         dx.copy_(plan.dx_acc)
-    # Second pass: the dW rows that held the dx accumulator. dL/dz of a chunk goes into dW rows that are still
-    # unwritten (after the chunk) while they last, then into the scratch.
-    v0 = plan.dw_end
-    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v)
-    while need_dw and v0 < V:
-        fits = _round_chunk((V - v0) * D // (N + D), cfg.block_v)  # N * c <= (V - v0 - c) * D
-        if fits >= scratch_cols:
-            v1 = min(v0 + fits, V)
-            dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
-        else:
-            v1 = min(v0 + scratch_cols, V)
-            dz = scratch_view((N, v1 - v0), x.dtype)
-        dz_pass(v0, v1, dz, False)
-        grad_pass(v0, v1, dz, True, None, False, fits >= scratch_cols)
-        v0 = v1
+    # Second pass: the dW rows that held the dx accumulator.
+    if need_dw and plan.dw_end < V:
+        for v0, v1, in_dw in _second_pass(N, V, D, x.element_size(), cfg, plan.dw_end, aligned):
+            if in_dw:
+                dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
+            else:
+                dz = scratch_view((N, v1 - v0), x.dtype)
+            dz_pass(v0, v1, dz, False)
+            grad_pass(v0, v1, dz, True, None, False, in_dw)
+    if db is not None and has_perm:
+        db = db[torch.argsort(perm)]  # position order -> class order
     return dx, dw, None if db is None else db.to(b.dtype)
 
 
