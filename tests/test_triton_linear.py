@@ -5,6 +5,9 @@ Small shapes (N=37, D=45, V=300) leave partial tiles in every direction with the
 Every test runs with outputs and workspaces poisoned with NaN, so an element that is never written fails the rule.
 """
 
+import functools
+import math
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ import logitless
 from logitless import reference
 from logitless.bench import data
 from logitless.kernels import linear_head as lh
+from logitless.linear_cross_entropy import class_counts
 from tests.helpers import assert_within_rule, check_against_truth, grads, leaves, make_case, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,7 +106,9 @@ def run_log_probs(x, w, b, t, naive=False, upcast=True, **kw):
     (4.0, 1.0, False, torch.bfloat16),
     (4.0, 1.7, True, torch.float16),
 ])
-def test_log_probs_and_entropy(softcap, temperature, bias, dtype):
+def test_log_probs_and_entropy(softcap, temperature, bias, dtype, monkeypatch):
+    plans = []
+    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)  # the entropy's gradient is never skipped
     x, w, b, t = case(dtype, bias=bias, ignore_frac=0.3, scale=3.0)
     kw = dict(softcap=softcap, temperature=temperature)
     (lp, ent), ins = run_log_probs(x, w, b, t, **kw)
@@ -123,6 +129,7 @@ def test_log_probs_and_entropy(softcap, temperature, bias, dtype):
     for name, go, gt, g64 in zip(names, grads(total(lp, ent), ins), grads(total(lp_t, ent_t), ins_t),
                                  grads(total(lp_64, ent_64), ins_64), strict=True):
         assert_within_rule(name, go, gt, g64)
+    assert plans == []
 
 
 def test_log_probs_without_entropy_matches():
@@ -254,7 +261,8 @@ def test_torch_compile_fullgraph():
     x, w, b, t = case(torch.float32, bias=True)
 
     def loss_fn(x, w, b, t):
-        return logitless.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-3,
+        # With a skip threshold the op also records tiles, and the vocabulary order (device ops) is in the graph.
+        return logitless.linear_cross_entropy(x, w, t, linear_bias=b, z_loss=1e-3, skip_threshold=2.0**-12,
                                               backend="triton")
 
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
@@ -282,6 +290,198 @@ def test_bad_deterministic_flag():
     x, w, _, t = case(torch.float32)
     with pytest.raises(TypeError, match="deterministic"):
         logitless.linear_cross_entropy(x, w, t, backend="triton", deterministic=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparsity: cold (token block x tile) pairs skipped by the backward. The interpreter's tiles are 32 tokens x 64
+# classes, so N = 70, V = 300 make 3 token blocks (the last partial) and 5 tiles (the last of 44 classes).
+
+TAU = 2.0**-12  # the bf16/fp16 default
+
+
+def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
+    """A head whose rows hold their mass on three 'hot' classes each (a peaked softmax, like a trained LM's). The
+    hot classes' W rows are distinct unit vectors, the other rows small and random; row i of token block b has
+    x_i = 20 (e_a + e_b) + 18 e_c for three classes drawn from hot_sets[b % len(hot_sets)], and target a. Every other
+    class holds ~e^-15 of the row's mass, so a tile is cold for a block where none of its rows has a hot class."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g) * (0.3 / d**0.5)
+    hot = sorted({c for cs in hot_sets for c in cs})
+    for k, c in enumerate(hot):
+        w[c] = 0.0
+        w[c, k] = 1.0
+    x = torch.randn(n, d, generator=g) * 0.1
+    t = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        cs = hot_sets[(i // 32) % len(hot_sets)]
+        a, b, c = (cs[j] for j in torch.randperm(len(cs), generator=g)[:3].tolist())
+        x[i, hot.index(a)] += 20.0
+        x[i, hot.index(b)] += 20.0
+        x[i, hot.index(c)] += 18.0
+        t[i] = a
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV), t.to(DEV)
+
+
+def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
+    """Loss and gradients of the Triton path (with kw: skip_threshold, vocab_order, ...) against float64 under the
+    error rule; returns (the backward's skip plans, our gradients)."""
+    plans = []
+    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
+    opts = {k: kw.pop(k) for k in ("skip_threshold", "vocab_order") if k in kw}
+    ins = {}
+    outs = {}
+    for name in ("ours", "torch", "f64"):
+        ins[name] = [None if a is None else (a.double() if name == "f64" else a).detach().clone().requires_grad_(
+            k in needs) for a, k in zip((x, w, b), "xwb", strict=True)]
+        xi, wi, bi = ins[name]
+        if name == "ours":
+            outs[name] = logitless.linear_cross_entropy(xi, wi, t, linear_bias=bi, backend="triton", **opts, **kw)
+        else:
+            outs[name] = reference.naive_linear_cross_entropy(xi, wi, t, linear_bias=bi, upcast=name == "f64", **kw)
+    assert_within_rule("loss", outs["ours"], outs["torch"], outs["f64"])
+    gs = {name: grads(outs[name], ins[name]) for name in outs}
+    names = [f"d_{k}" for k, a in zip("xwb", (x, w, b), strict=True) if a is not None and k in needs]
+    for name, go, gt, g64 in zip(names, gs["ours"], gs["torch"], gs["f64"], strict=True):
+        assert_within_rule(name, go, gt, g64)
+    return plans, gs["ours"]
+
+
+def test_skip_peaked_bf16(monkeypatch):
+    # Block 0 uses hot classes of tile 0, block 1 of tile 1, block 2 of tiles 0 and 3; two rows have targets in
+    # tiles that are otherwise cold for their block (a tile holding a target is never skipped), two are ignored.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]])
+    t[5], t[40], t[10], t[45] = 150, 290, -100, -100
+    plans, _ = skip_check(x, w, None, t, monkeypatch, vocab_order="none")
+    (plan,) = plans
+    expected = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 0, 1], [1, 0, 0, 1, 0]], dtype=torch.uint8)
+    assert torch.equal(plan.hot.cpu(), expected)
+    assert (plan.row_bound <= TAU).all() and (plan.row_bound > 0).any()
+    assert (plan.row_bound[t == -100] == 0).all()  # ignored rows lose nothing: their coefficients are 0
+
+
+def test_skip_nothing_on_uniform_data_or_float32(monkeypatch):
+    # Near-uniform softmax (initialisation): every pair holds ~BLOCK_V / V of each row's mass, far above the budget.
+    head = data.make_head("uniform", 37, 24, 300, dtype=torch.bfloat16, seed=3, device=DEV)
+    plans, _ = skip_check(head.input, head.weight, None, head.target, monkeypatch)
+    assert len(plans) == 1 and bool(plans[0].hot.all()) and (plans[0].row_bound == 0).all()
+    # float32 inputs: no plan at all by default (their error budget is below 2^-12).
+    x, w, t = peaked(torch.float32, [[1, 2, 3, 4]], n=32)
+    xo, wo = leaves(x, w)
+    grads(logitless.linear_cross_entropy(xo, wo, t, backend="triton"), [xo, wo])
+    assert plans == [plans[0]]
+
+
+def test_skip_bound_stops_skipping(monkeypatch):
+    # Hot classes in tile 0; tile 1 random (cold: ~1e-7 of the mass); tiles 2, 3, 4 hold exactly 0.45, 0.45 and
+    # 0.31 x TAU of every row's mass (zero W rows, a bias): each is cold alone, but skipping all three would lose
+    # 1.2 TAU, so the plan must stop after two of them (tile 4, then 2 or 3).
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4]], n=40)
+    w[128:] = 0
+    z = x.double() @ w.double().T
+    lse = torch.logsumexp(z[:, :128], 1)
+    b = torch.zeros(300, dtype=torch.float64, device=DEV)
+    b[128:] = lse.min() + math.log(0.45 * TAU / 64)
+    b = b.to(torch.bfloat16)
+    plans, (dx, dw, db) = skip_check(x, w, b, t, monkeypatch, vocab_order="none")
+    (plan,) = plans
+    hot = plan.hot.cpu()
+    assert (hot[:, 0] == 1).all() and (hot[:, 1] == 0).all() and (hot[:, 4] == 0).all()
+    assert (hot[:, 2] + hot[:, 3] == 1).all()
+    # The bound holds the skipped mass (float64, from the same bf16 inputs), and it is what stopped the skipping.
+    p = torch.softmax(x.double() @ w.double().T + b.double(), 1)
+    cold_cols = (1 - hot).repeat_interleave(64, 1)[:, :300].repeat_interleave(32, 0)[:40].to(DEV)
+    skipped = (p * cold_cols).sum(1)
+    assert (skipped <= plan.row_bound.double() * (1 + 1e-4)).all() and (plan.row_bound <= TAU).all()
+    assert all(plan.row_bound[i:i + 32].max() > 0.6 * TAU for i in (0, 32))  # each block's tightest row
+    tiles = torch.empty(lh.tile_grid(x, w), device=DEV)
+    m, logs, *_ = lh.forward_stats(x, w, b, t, None, softcap=None, inv_temp=1.0, want_smooth=False,
+                                   want_entropy=False, tile_lse=tiles)
+    a = torch.ones_like(m)
+    loose = lh.skip_plan(tiles, m, logs, a, t, None, 300, 2 * TAU, 32, 64)
+    assert (loose.hot.cpu()[:, 1:] == 0).all()  # with twice the budget, all four go
+    # Skipped pairs are not computed: tile 1 is cold for every block, so its dW rows and bias gradient are exactly 0.
+    assert (dw[64:128] == 0).all() and (db[64:128] == 0).all() and (dw[:64] != 0).any()
+
+
+def test_vocab_order_groups_hot_classes(monkeypatch):
+    # Hot classes one per tile: in identity order every tile is hot for every block. Ordered by the batch's target
+    # counts (within the ranges the bf16 workspace layout allows, here [0, 192) and [192, 300)), they share two
+    # tiles and the other three go cold. Bias and dW rows go back to their own classes.
+    hot_classes = [5, 70, 141, 210, 280]
+    x, w, t = peaked(torch.bfloat16, [hot_classes], n=40)
+    b = (torch.randn(300, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16).to(DEV)
+    t[3] = -100
+    plans, _ = skip_check(x, w, b, t, monkeypatch)  # vocab_order="batch" by default
+    xo, wo = leaves(x, w)
+    grads(logitless.linear_cross_entropy(xo, wo, t, vocab_order="none", backend="triton"), [xo, wo])
+    assert bool(plans[1].hot.all())
+    position = torch.argsort(lh.vocab_order(class_counts(t, 300, -100), x, w))  # the order the call used
+    tiles = sorted({int(position[c]) // 64 for c in hot_classes})
+    assert len(tiles) == 2
+    expected = torch.zeros(2, 5, dtype=torch.uint8)
+    expected[:, tiles] = 1
+    assert torch.equal(plans[0].hot.cpu(), expected)
+
+
+# Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
+# through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans.
+@pytest.mark.parametrize("name", ["alias_both", "alias_split_k", "dx_only", "dw_only", "small_vocab"])
+def test_skip_workspaces(name, monkeypatch):
+    dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
+    monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
+    x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
+    b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
+    plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum")
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+
+
+def test_skip_log_probs(monkeypatch):
+    # linear_log_probs skips too (its gradient is p_j A - C [j = t]; with return_entropy it never does: see
+    # test_log_probs_and_entropy).
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40)
+    plans = []
+    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
+    up = torch.randn(40, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+    check_against_truth(functools.partial(logitless.linear_log_probs, skip_threshold=TAU),
+                        reference.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+
+
+def test_module_running_vocab_order():
+    # LinearCrossEntropyLoss(vocab_order="running") keeps decayed target counts across training steps (on the
+    # device) and passes them as the order; evaluation does not update them.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40, v=130)
+    loss_fn = logitless.LinearCrossEntropyLoss(vocab_order="running", backend="triton")
+    counts = None
+    for _ in range(2):
+        xo, wo = leaves(x, w)
+        loss = loss_fn(xo, wo, t)
+        counts = loss_fn.vocab_counts.clone()
+        g = grads(loss, [xo, wo])
+    batch = torch.bincount(t.cpu(), minlength=130).float()
+    torch.testing.assert_close(counts.cpu(), batch * 0.99 + batch)
+    xo, wo = leaves(x, w)
+    same = logitless.linear_cross_entropy(xo, wo, t, vocab_order=counts, backend="triton")
+    assert torch.equal(same, loss) and all(torch.equal(a, c) for a, c in zip(grads(same, [xo, wo]), g, strict=True))
+    loss_fn.eval()
+    loss_fn(x, w, t)
+    assert torch.equal(loss_fn.vocab_counts, counts)
+
+
+def test_bad_skip_options():
+    x, w, _, t = case(torch.bfloat16)
+    for bad, err in ((-0.1, ValueError), (1.0, ValueError), ("0.1", TypeError), (True, TypeError)):
+        with pytest.raises(err, match="skip_threshold"):
+            logitless.linear_cross_entropy(x, w, t, skip_threshold=bad, backend="triton")
+    with pytest.raises(ValueError, match="skip_threshold"):
+        logitless.linear_log_probs(x, w, t, skip_threshold=2.0, backend="triton")
+    for bad, err in (("frequency", ValueError), (torch.ones(299, device=DEV), ValueError),
+                     (torch.ones(300, dtype=torch.bool, device=DEV), TypeError)):
+        with pytest.raises(err, match="vocab_order"):
+            logitless.linear_cross_entropy(x, w, t, vocab_order=bad, backend="triton")
+    with pytest.raises(ValueError, match="vocab_order"):
+        logitless.LinearCrossEntropyLoss(vocab_order="batches")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -164,6 +164,22 @@ def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> t
     return counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))[:num_classes]
 
 
+# Per-step decay of LinearCrossEntropyLoss's running class counts (vocab_order="running"): about 100 steps of memory.
+RUNNING_DECAY = 0.99
+
+
+def running_class_counts(counts, target: torch.Tensor, num_classes: int, ignore_index: int, update: bool = True):
+    """counts * RUNNING_DECAY + this batch's class counts, in place and on the device (no host sync); a new (V,)
+    float32 tensor of the batch's counts when counts is None or of another size or device. update=False returns
+    the counts unchanged (evaluation)."""
+    if counts is None or counts.shape != (num_classes,) or counts.device != target.device:
+        return class_counts(target, num_classes, ignore_index)
+    if update:
+        with torch.no_grad():
+            counts.mul_(RUNNING_DECAY).add_(class_counts(target, num_classes, ignore_index))
+    return counts
+
+
 def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_index, bounded: bool):
     """(perm, want_tiles, threshold) for the Triton path: tiles are recorded, and the vocabulary ordered, only when
     the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
