@@ -8,21 +8,21 @@ import torch
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
-from .linear_cross_entropy import check_kernel_dtype, head_stats
+from .linear_cross_entropy import check_kernel_dtype, check_skip_options, head_stats, skip_setup
 
 
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...,
-                     process_group=...) -> torch.Tensor: ...
+                     skip_threshold: float | None = ..., process_group=...) -> torch.Tensor: ...
 
 
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...,
-                     process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     skip_threshold: float | None = ..., process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_log_probs(
@@ -36,6 +36,7 @@ def linear_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: str = "auto",
+    skip_threshold: float | None = None,
     process_group=None,
 ):
     """Per-token ``log_softmax(z / temperature)[target]`` of ``z = F.linear(input, linear_weight, linear_bias)``.
@@ -46,6 +47,8 @@ def linear_log_probs(
     Args:
         input: (..., D) float32, bfloat16 or float16; linear_weight: (V, D); target: (...) int64/int32.
         return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
+        skip_threshold: as in :func:`logitless.linear_cross_entropy` (the Triton backward may skip cold tiles that
+            hold at most this fraction of a row's probability mass); nothing is skipped with ``return_entropy``.
         process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
             :mod:`logitless.distributed`.
 
@@ -62,9 +65,12 @@ def linear_log_probs(
         )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
+    check_skip_options(skip_threshold, "batch", linear_weight.shape[0], input.device)
     chosen = resolve_backend(backend, input.device, "linear_log_probs")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
-        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy)
+        # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
+        skip = skip_setup(args, skip_threshold, "batch", ignore_index, bounded=not return_entropy)
+        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip)
         valid = args.target != ignore_index
         zero = torch.zeros_like(logs)
         logp = torch.where(valid, (zt - m) - logs, zero).reshape(args.lead_shape)

@@ -5,17 +5,24 @@ from __future__ import annotations
 import torch
 
 from .cross_entropy import cross_entropy
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy, running_class_counts
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
-    linear_bias=None)``. Class weights, if given, are kept as a buffer."""
+    linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold`` and ``vocab_order`` are
+    the function's; ``vocab_order="running"`` orders the vocabulary by target counts kept across training steps (the
+    ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "batch"):
         super().__init__()
+        if vocab_order not in ("batch", "running", "none"):
+            raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
+        self.skip_threshold = skip_threshold
+        self.vocab_order = vocab_order
+        self.register_buffer("vocab_counts", None)
         self.register_buffer("weight", weight)
         self.reduction = reduction
         self.ignore_index = ignore_index
@@ -26,15 +33,20 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
                 linear_bias: torch.Tensor | None = None) -> torch.Tensor:
+        order = self.vocab_order
+        if order == "running":
+            self.vocab_counts = running_class_counts(self.vocab_counts, target, linear_weight.shape[0],
+                                                     self.ignore_index, update=self.training)
+            order = self.vocab_counts
         return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                                    backend=self.backend)
+                                    backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}, skip_threshold={self.skip_threshold}, vocab_order={self.vocab_order!r}")
 
 
 class CrossEntropyLoss(torch.nn.Module):
