@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# One definition of the relative error for tests and the benchmark gate (which cannot import tests).
+from logitless.bench.check import rel_err
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64; NaN anywhere in x (where ref is finite) counts as infinite error."""
-    x64, r64 = x.detach().double().cpu(), ref.detach().double().cpu()
-    if x64.shape != r64.shape:
-        raise AssertionError(f"shape {tuple(x64.shape)} != reference shape {tuple(r64.shape)}")
-    if torch.isnan(x64).any() and not torch.isnan(r64).any():
-        return float("inf")
-    both_nan = torch.isnan(x64) & torch.isnan(r64)
-    diff = torch.where(both_nan, torch.zeros_like(x64), x64 - r64)
-    denom = torch.where(torch.isnan(r64), torch.zeros_like(r64), r64).norm().item()
-    return diff.norm().item() / max(denom, 1e-30)
 
 
 def assert_within_rule(name: str, ours: torch.Tensor, torch_same_dtype: torch.Tensor, truth: torch.Tensor,
