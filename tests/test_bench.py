@@ -165,7 +165,7 @@ def test_rel_err_and_the_two_times_rule():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(50, 7, generator=g), torch.randn(50, 7, generator=g)
     assert check.rel_err(a, a) == 0.0
-    assert abs(check.rel_err(a, b) - ((a - b).norm() / b.norm()).item()) < 1e-12
+    assert abs(check.rel_err(a, b) - ((a.double() - b.double()).norm() / b.double().norm()).item()) < 1e-12
     assert check.rel_err(torch.full_like(a, float("nan")), b) == float("inf")
     assert check.rel_err(torch.full_like(a, float("nan")), torch.full_like(b, float("nan"))) == 0.0
     ok = check.Comparison("loss", err=2e-3, err_torch=1e-3)
