@@ -413,11 +413,11 @@ def _dw_tile(
         s_lo = tl.load(pre_ptr + t * (n_blocks + 1) + b_lo)
         s_hi = tl.load(pre_ptr + t * (n_blocks + 1) + b_hi)
         dense = s_hi - s_lo == b_hi - b_lo
-        if not dense:
-            STEPS: tl.constexpr = MAP_N // BLOCK_K
-            for s in range(s_lo * STEPS, s_hi * STEPS):
-                blk = tl.load(list_ptr + t * n_blocks + s // STEPS).to(tl.int64)
-                kk = blk * MAP_N + (s % STEPS) * BLOCK_K + offs_k
+        if s_hi - s_lo != b_hi - b_lo:
+            # (MAP_N // BLOCK_K reduction steps per token block)
+            for s in range(s_lo * (MAP_N // BLOCK_K), s_hi * (MAP_N // BLOCK_K)):
+                blk = tl.load(list_ptr + t * n_blocks + s // (MAP_N // BLOCK_K)).to(tl.int64)
+                kk = blk * MAP_N + (s % (MAP_N // BLOCK_K)) * BLOCK_K + offs_k
                 k_ok = kk < k_hi
                 a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]), mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0)
@@ -480,11 +480,11 @@ def _dx_tile(
         s_lo = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile0)
         s_hi = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile1)
         dense = s_hi - s_lo == tile1 - tile0
-        if not dense:
-            STEPS: tl.constexpr = MAP_V // BLOCK_K
-            for s in range(s_lo * STEPS, s_hi * STEPS):
-                t = tl.load(list_ptr + blk * n_vtiles + s // STEPS)
-                kk = (t - tile0).to(tl.int64) * MAP_V + (s % STEPS) * BLOCK_K + offs_k  # columns of the chunk
+        if s_hi - s_lo != tile1 - tile0:
+            # (MAP_V // BLOCK_K reduction steps per tile)
+            for s in range(s_lo * (MAP_V // BLOCK_K), s_hi * (MAP_V // BLOCK_K)):
+                t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
+                kk = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K + offs_k  # chunk columns
                 k_ok = kk < n_vrows
                 a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
                 wr = kk
