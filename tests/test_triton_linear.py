@@ -299,6 +299,12 @@ def test_bad_deterministic_flag():
 TAU = 2.0**-12  # the bf16/fp16 default
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    # These tests spell out tile maps for the interpreter's 32 x 64 tiles: on a GPU they run with those tiles too.
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._INTERPRETER_CONFIG)
+
+
 def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
     """A head whose rows hold their mass on three 'hot' classes each (a peaked softmax, like a trained LM's). The
     hot classes' W rows are distinct unit vectors, the other rows small and random; row i of token block b has
@@ -346,7 +352,7 @@ def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
     return plans, gs["ours"]
 
 
-def test_skip_peaked_bf16(monkeypatch):
+def test_skip_peaked_bf16(monkeypatch, small_tiles):
     # Block 0 uses hot classes of tile 0, block 1 of tile 1, block 2 of tiles 0 and 3; two rows have targets in
     # tiles that are otherwise cold for their block (a tile holding a target is never skipped), two are ignored.
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]])
@@ -359,7 +365,7 @@ def test_skip_peaked_bf16(monkeypatch):
     assert (plan.row_bound[t == -100] == 0).all()  # ignored rows lose nothing: their coefficients are 0
 
 
-def test_skip_nothing_on_uniform_data_or_float32(monkeypatch):
+def test_skip_nothing_on_uniform_data_or_float32(monkeypatch, small_tiles):
     # Near-uniform softmax (initialisation): every pair holds ~BLOCK_V / V of each row's mass, far above the budget.
     head = data.make_head("uniform", 37, 24, 300, dtype=torch.bfloat16, seed=3, device=DEV)
     plans, _ = skip_check(head.input, head.weight, None, head.target, monkeypatch)
@@ -371,7 +377,7 @@ def test_skip_nothing_on_uniform_data_or_float32(monkeypatch):
     assert plans == [plans[0]]
 
 
-def test_skip_bound_stops_skipping(monkeypatch):
+def test_skip_bound_stops_skipping(monkeypatch, small_tiles):
     # Hot classes in tile 0; tile 1 random (cold: ~1e-7 of the mass); tiles 2, 3, 4 hold exactly 0.45, 0.45 and
     # 0.31 x TAU of every row's mass (zero W rows, a bias): each is cold alone, but skipping all three would lose
     # 1.2 TAU, so the plan must stop after two of them (tile 4, then 2 or 3).
@@ -403,7 +409,7 @@ def test_skip_bound_stops_skipping(monkeypatch):
     assert (dw[64:128] == 0).all() and (db[64:128] == 0).all() and (dw[:64] != 0).any()
 
 
-def test_vocab_order_groups_hot_classes(monkeypatch):
+def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
     # Hot classes one per tile: in identity order every tile is hot for every block. Ordered by the batch's target
     # counts (within the ranges the bf16 workspace layout allows, here [0, 192) and [192, 300)), they share two
     # tiles and the other three go cold. Bias and dW rows go back to their own classes.
@@ -426,7 +432,7 @@ def test_vocab_order_groups_hot_classes(monkeypatch):
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
 # through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans.
 @pytest.mark.parametrize("name", ["alias_both", "alias_split_k", "dx_only", "dw_only", "small_vocab"])
-def test_skip_workspaces(name, monkeypatch):
+def test_skip_workspaces(name, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
@@ -436,7 +442,7 @@ def test_skip_workspaces(name, monkeypatch):
     assert len(plans) == 1 and not bool(plans[0].hot.all())
 
 
-def test_skip_log_probs(monkeypatch):
+def test_skip_log_probs(monkeypatch, small_tiles):
     # linear_log_probs skips too (its gradient is p_j A - C [j = t]; with return_entropy it never does: see
     # test_log_probs_and_entropy).
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40)
