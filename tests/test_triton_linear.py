@@ -263,7 +263,7 @@ def test_torch_compile_fullgraph():
     def loss_fn(x, w, b, t):
         # With a skip threshold the op also records tiles, and the vocabulary order (device ops) is in the graph.
         return logitless.linear_cross_entropy(x, w, t, linear_bias=b, z_loss=1e-3, skip_threshold=2.0**-12,
-                                              backend="triton")
+                                              vocab_order="batch", backend="triton")
 
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
     xo, wo, bo = leaves(x, w, b)
@@ -296,7 +296,7 @@ def test_bad_deterministic_flag():
 # Sparsity: cold (token block x tile) pairs skipped by the backward. The interpreter's tiles are 32 tokens x 64
 # classes, so N = 70, V = 300 make 3 token blocks (the last partial) and 5 tiles (the last of 44 classes).
 
-TAU = 2.0**-12  # the bf16/fp16 default
+TAU = 2.0**-12  # the threshold that is safe for bf16/fp16 (skipping is off by default)
 
 
 @pytest.fixture
@@ -357,7 +357,7 @@ def test_skip_peaked_bf16(monkeypatch, small_tiles):
     # tiles that are otherwise cold for their block (a tile holding a target is never skipped), two are ignored.
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]])
     t[5], t[40], t[10], t[45] = 150, 290, -100, -100
-    plans, _ = skip_check(x, w, None, t, monkeypatch, vocab_order="none")
+    plans, _ = skip_check(x, w, None, t, monkeypatch, skip_threshold=TAU)
     (plan,) = plans
     expected = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 0, 1], [1, 0, 0, 1, 0]], dtype=torch.uint8)
     assert torch.equal(plan.hot.cpu(), expected)
@@ -365,15 +365,16 @@ def test_skip_peaked_bf16(monkeypatch, small_tiles):
     assert (plan.row_bound[t == -100] == 0).all()  # ignored rows lose nothing: their coefficients are 0
 
 
-def test_skip_nothing_on_uniform_data_or_float32(monkeypatch, small_tiles):
+def test_skip_nothing_on_uniform_data_or_by_default(monkeypatch, small_tiles):
     # Near-uniform softmax (initialisation): every pair holds ~BLOCK_V / V of each row's mass, far above the budget.
     head = data.make_head("uniform", 37, 24, 300, dtype=torch.bfloat16, seed=3, device=DEV)
-    plans, _ = skip_check(head.input, head.weight, None, head.target, monkeypatch)
+    plans, _ = skip_check(head.input, head.weight, None, head.target, monkeypatch, skip_threshold=TAU)
     assert len(plans) == 1 and bool(plans[0].hot.all()) and (plans[0].row_bound == 0).all()
-    # float32 inputs: no plan at all by default (their error budget is below 2^-12).
-    x, w, t = peaked(torch.float32, [[1, 2, 3, 4]], n=32)
-    xo, wo = leaves(x, w)
-    grads(logitless.linear_cross_entropy(xo, wo, t, backend="triton"), [xo, wo])
+    # Skipping is opt-in: no plan by default, on peaked data in any dtype.
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w, t = peaked(dtype, [[1, 2, 3, 4]], n=32)
+        xo, wo = leaves(x, w)
+        grads(logitless.linear_cross_entropy(xo, wo, t, backend="triton"), [xo, wo])
     assert plans == [plans[0]]
 
 
@@ -388,7 +389,7 @@ def test_skip_bound_stops_skipping(monkeypatch, small_tiles):
     b = torch.zeros(300, dtype=torch.float64, device=DEV)
     b[128:] = lse.min() + math.log(0.45 * TAU / 64)
     b = b.to(torch.bfloat16)
-    plans, (dx, dw, db) = skip_check(x, w, b, t, monkeypatch, vocab_order="none")
+    plans, (dx, dw, db) = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU)
     (plan,) = plans
     hot = plan.hot.cpu()
     assert (hot[:, 0] == 1).all() and (hot[:, 1] == 0).all() and (hot[:, 4] == 0).all()
@@ -417,9 +418,9 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
     x, w, t = peaked(torch.bfloat16, [hot_classes], n=40)
     b = (torch.randn(300, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16).to(DEV)
     t[3] = -100
-    plans, _ = skip_check(x, w, b, t, monkeypatch)  # vocab_order="batch" by default
+    plans, _ = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU, vocab_order="batch")
     xo, wo = leaves(x, w)
-    grads(logitless.linear_cross_entropy(xo, wo, t, vocab_order="none", backend="triton"), [xo, wo])
+    grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, backend="triton"), [xo, wo])
     assert bool(plans[1].hot.all())
     position = torch.argsort(lh.vocab_order(class_counts(t, 300, -100), x, w))  # the order the call used
     tiles = sorted({int(position[c]) // 64 for c in hot_classes})
@@ -438,7 +439,8 @@ def test_skip_workspaces(name, monkeypatch, small_tiles):
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
-    plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum")
+    plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
+                          vocab_order="batch")
     assert len(plans) == 1 and not bool(plans[0].hot.all())
 
 
@@ -458,7 +460,7 @@ def test_module_running_vocab_order():
     # LinearCrossEntropyLoss(vocab_order="running") keeps decayed target counts across training steps (on the
     # device) and passes them as the order; evaluation does not update them.
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40, v=130)
-    loss_fn = logitless.LinearCrossEntropyLoss(vocab_order="running", backend="triton")
+    loss_fn = logitless.LinearCrossEntropyLoss(skip_threshold=TAU, vocab_order="running", backend="triton")
     counts = None
     for _ in range(2):
         xo, wo = leaves(x, w)
@@ -468,7 +470,7 @@ def test_module_running_vocab_order():
     batch = torch.bincount(t.cpu(), minlength=130).float()
     torch.testing.assert_close(counts.cpu(), batch * 0.99 + batch)
     xo, wo = leaves(x, w)
-    same = logitless.linear_cross_entropy(xo, wo, t, vocab_order=counts, backend="triton")
+    same = logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, vocab_order=counts, backend="triton")
     assert torch.equal(same, loss) and all(torch.equal(a, c) for a, c in zip(grads(same, [xo, wo]), g, strict=True))
     loss_fn.eval()
     loss_fn(x, w, t)

@@ -126,9 +126,13 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
 # ---------------------------------------------------------------------------------------------------------------
 # Sparsity options: the skip threshold and the vocabulary order
 
-# Default skipped-mass budget per row for bf16/fp16 inputs: 1/8 of the 2^-9 relative error that PyTorch's own
-# bf16 softmax makes in every gradient row (docs/kernels.md). float32 inputs skip nothing unless asked.
-DEFAULT_SKIP_THRESHOLD = 2.0**-12
+# The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
+# PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
+HALF_SKIP_THRESHOLD = 2.0**-12
+# What skip_threshold=None means: no skipping, for every dtype. Measured on an H200 (notes/linear_head.md): on the
+# benchmark's LM-like data at most 0.6% of the (token block x tile) pairs are cold at HALF_SKIP_THRESHOLD, while the
+# bookkeeping costs 3-10% of fwd+bwd (18-22% with the batch vocabulary order), so skipping is opt-in.
+DEFAULT_SKIP_THRESHOLD = 0.0
 VOCAB_ORDERS = ("batch", "none")
 
 
@@ -185,8 +189,7 @@ def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_ind
     the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
     probability mass bounds, tiles that allow it)."""
     x, w = args.x, args.weight
-    tau = (DEFAULT_SKIP_THRESHOLD if x.dtype in (torch.bfloat16, torch.float16) else 0.0) \
-        if skip_threshold is None else float(skip_threshold)
+    tau = DEFAULT_SKIP_THRESHOLD if skip_threshold is None else float(skip_threshold)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, args.bias))
     if not (tau > 0.0 and grads and bounded and x.shape[0] > 0 and _kernels().skip_supported(x)):
         return None, False, 0.0
@@ -238,7 +241,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     deterministic: bool = False,
     skip_threshold: float | None = None,
-    vocab_order: str | torch.Tensor = "batch",
+    vocab_order: str | torch.Tensor = "none",
     process_group=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` against ``target``, never building the logits.
@@ -267,14 +270,15 @@ def linear_cross_entropy(
             (the Triton backward uses no atomics and reduces in a fixed order), so this never changes the result.
         skip_threshold: the largest fraction of each row's probability mass whose gradient the Triton backward may
             skip (cold tiles of the softmax, neither recomputed nor multiplied); each gradient row then changes by
-            at most ``skip_threshold`` times its coefficient. ``None`` (default): 2**-12 for bfloat16/float16
-            inputs, below their resolution, and 0 for float32; 0 skips nothing. A tile holding a target is never
-            skipped, and nothing is skipped with ``label_smoothing > 0``, on the PyTorch path or with
-            ``process_group``. See docs/kernels.md.
-        vocab_order: how the Triton path orders the vocabulary when it may skip, so that frequent classes share
-            tiles: "batch" (default: by the counts of this batch's targets), "none", or a (V,) tensor of per-class
+            at most ``skip_threshold`` times its coefficient. ``None`` or 0 (default): nothing is skipped. 2**-12
+            (``logitless.linear_cross_entropy.HALF_SKIP_THRESHOLD``) is safe for bfloat16/float16 inputs (below
+            their resolution); float32 needs a far smaller value. A tile holding a target is never skipped, and
+            nothing is skipped with ``label_smoothing > 0``, on the PyTorch path or with ``process_group``. Opt-in
+            because it pays only on very peaked softmaxes (docs/kernels.md has the measurements).
+        vocab_order: how the Triton path orders the vocabulary when it skips, so that frequent classes share
+            tiles: "none" (default), "batch" (by the counts of this batch's targets), or a (V,) tensor of per-class
             counts (e.g. kept across steps; ``LinearCrossEntropyLoss(vocab_order="running")`` does that). The
-            result does not depend on it beyond rounding.
+            result does not depend on it beyond rounding; an order costs time (its W rows are gathered).
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.

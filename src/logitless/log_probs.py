@@ -48,7 +48,8 @@ def linear_log_probs(
         input: (..., D) float32, bfloat16 or float16; linear_weight: (V, D); target: (...) int64/int32.
         return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
         skip_threshold: as in :func:`logitless.linear_cross_entropy` (the Triton backward may skip cold tiles that
-            hold at most this fraction of a row's probability mass); nothing is skipped with ``return_entropy``.
+            hold at most this fraction of a row's probability mass; default: no skipping); nothing is skipped with
+            ``return_entropy``.
         process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
             :mod:`logitless.distributed`.
 
@@ -65,11 +66,11 @@ def linear_log_probs(
         )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
-    check_skip_options(skip_threshold, "batch", linear_weight.shape[0], input.device)
+    check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
     chosen = resolve_backend(backend, input.device, "linear_log_probs")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
         # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
-        skip = skip_setup(args, skip_threshold, "batch", ignore_index, bounded=not return_entropy)
+        skip = skip_setup(args, skip_threshold, "none", ignore_index, bounded=not return_entropy)
         m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip)
         valid = args.target != ignore_index
         zero = torch.zeros_like(logs)

@@ -11,12 +11,12 @@ from .linear_cross_entropy import linear_cross_entropy, running_class_counts
 class LinearCrossEntropyLoss(torch.nn.Module):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
     linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold`` and ``vocab_order`` are
-    the function's; ``vocab_order="running"`` orders the vocabulary by target counts kept across training steps (the
-    ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device)."""
+    the function's (no skipping by default); ``vocab_order="running"`` orders the vocabulary by target counts kept
+    across training steps (the ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "batch"):
+                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "none"):
         super().__init__()
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
