@@ -3,7 +3,7 @@
     PYTHONPATH=src python scripts/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
         [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
     PYTHONPATH=src python scripts/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
-    PYTHONPATH=src python scripts/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768]     (no GPU)
+    PYTHONPATH=src python scripts/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
 
 For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
 "uniform" = the head at initialisation), in bfloat16:
@@ -327,7 +327,7 @@ def order_fractions(x, w, t, tile_lse_fn, tau, orders):
     return out
 
 
-def run_cpu_orders(shape, tau):
+def run_cpu_orders(shape, tau, losses=(2.5, 1.5)):
     """The cold fraction per vocabulary order on lm data, at a CPU-sized shape (see the module docstring), next to
     what skipping with the exact masses (not a bound) would reach with token blocks of 128, 32, 8 and 1 rows."""
     N, D, V = shape
@@ -337,7 +337,7 @@ def run_cpu_orders(shape, tau):
     blocks = (128, 32, 8, 1)
     rows = []
     try:
-        for loss in (2.5, 1.5):
+        for loss in losses:
             head = data.lm_like(N, D, V, dtype=torch.bfloat16, target_loss=loss, seed=0)
             x, w, t = head.input, head.weight, head.target
             z = torch.empty(N, V)
@@ -496,10 +496,12 @@ def main():
     ap.add_argument("--sparsity", action="store_true", help="skipping on/off at the shapes (see above)")
     ap.add_argument("--cpu-orders", action="store_true", help="cold fraction per vocabulary order, on the CPU")
     ap.add_argument("--order-shape", default="4096,1024,32768", help="N,D,V for --cpu-orders")
+    ap.add_argument("--order-losses", default="2.5,1.5", help="lm data entropies (nats) for --cpu-orders")
     a = ap.parse_args()
 
     if a.cpu_orders:
-        run_cpu_orders(tuple(int(v) for v in a.order_shape.split(",")), HALF_SKIP_THRESHOLD)
+        run_cpu_orders(tuple(int(v) for v in a.order_shape.split(",")), HALF_SKIP_THRESHOLD,
+                       tuple(float(v) for v in a.order_losses.split(",")))
         return
 
     if a.dry_run and a.sparsity:
