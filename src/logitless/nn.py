@@ -8,7 +8,26 @@ from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy, running_class_counts
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
+class _LossOptions(torch.nn.Module):
+    """The options both losses share; class weights, if given, are kept as a buffer."""
+
+    _repr_fields: tuple[str, ...] = ("reduction", "ignore_index", "label_smoothing", "z_loss", "softcap", "backend")
+
+    def __init__(self, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, backend):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.backend = backend
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self._repr_fields)
+
+
+class LinearCrossEntropyLoss(_LossOptions):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
     linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold`` and ``vocab_order`` are
     the function's (no skipping by default); ``vocab_order="running"`` orders the vocabulary by target counts kept
@@ -17,19 +36,12 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                  backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "none"):
-        super().__init__()
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
+        super().__init__(weight, reduction, ignore_index, label_smoothing, z_loss, softcap, backend)
         self.skip_threshold = skip_threshold
         self.vocab_order = vocab_order
         self.register_buffer("vocab_counts", None)
-        self.register_buffer("weight", weight)
-        self.reduction = reduction
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.backend = backend
 
     def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
                 linear_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,28 +55,18 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order)
 
-    def extra_repr(self) -> str:
-        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"backend={self.backend!r}, skip_threshold={self.skip_threshold}, vocab_order={self.vocab_order!r}")
+    _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order")
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class CrossEntropyLoss(_LossOptions):
     """Module form of :func:`logitless.cross_entropy`; ``forward(logits, target)``. With
     ``inplace_backward=True`` the logits passed to forward are overwritten by their gradient (see the function)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                  inplace_backward: bool = False, backend: str = "auto"):
-        super().__init__()
+        super().__init__(weight, reduction, ignore_index, label_smoothing, z_loss, softcap, backend)
         self.inplace_backward = inplace_backward
-        self.register_buffer("weight", weight)
-        self.reduction = reduction
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.backend = backend
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, target, weight=self.weight, reduction=self.reduction,
@@ -72,7 +74,4 @@ class CrossEntropyLoss(torch.nn.Module):
                              z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward,
                              backend=self.backend)
 
-    def extra_repr(self) -> str:
-        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"inplace_backward={self.inplace_backward}, backend={self.backend!r}")
+    _repr_fields = _LossOptions._repr_fields + ("inplace_backward",)
