@@ -53,6 +53,8 @@ import logitless  # noqa: E402
 import logitless.distributed  # noqa: E402
 from logitless import reference  # noqa: E402
 from logitless.bench import data  # noqa: E402
+from logitless.bench.check import rel_err as rel  # noqa: E402
+from logitless.bench.check import rule_line as rule  # noqa: E402
 
 SHAPES = {
     "llama3-8b": (16384, 4096, 128256),
@@ -79,19 +81,8 @@ def rows_of(V, P, r):
     return start, start + base + (1 if r < extra else 0)
 
 
-def rel(x, ref):
-    x, ref = x.detach().double(), ref.detach().double()
-    if torch.isnan(x).any() and not torch.isnan(ref).any():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def rule(name, ours, theirs, truth, failures):
-    e_o, e_t = rel(ours, truth), rel(theirs, truth)
-    ok = e_o <= 2 * e_t + 1e-6
-    if not ok:
-        failures.append(name)
-    return f"{name} {e_o:.2e}/{e_t:.2e}{'' if ok else ' FAIL'}"
 
 
 def leaf(t):

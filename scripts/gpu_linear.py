@@ -45,6 +45,8 @@ import triton
 import logitless
 from logitless import reference
 from logitless.bench import data
+from logitless.bench.check import rel_err as rel
+from logitless.bench.check import rule_line as rule
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD, class_counts
 
@@ -93,19 +95,8 @@ def peak_extra_mb(fn):
     return (peak - base - returned) / 2**20
 
 
-def rel(x, ref):
-    x, ref = x.detach().double(), ref.detach().double()
-    if torch.isnan(x).any():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def rule(name, ours, theirs, truth, failures):
-    e_o, e_t = rel(ours, truth), rel(theirs, truth)
-    ok = e_o <= 2 * e_t + 1e-6
-    if not ok:
-        failures.append(name)
-    return f"{name} {e_o:.2e}/{e_t:.2e}{'' if ok else ' FAIL'}"
 
 
 def leaf(t):

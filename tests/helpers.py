@@ -70,3 +70,77 @@ def check_against_truth(fn_ours, fn_naive, x, w, b, t, upstream=None, backend="t
     ):
         assert go.dtype == x.dtype
         assert_within_rule(name, go, gt, g64)
+
+
+def check_log_probs_entropy(x, w, b, t, backend="torch", **kw):
+    """linear_log_probs with the entropy (ours on `backend`, PyTorch in the same dtype, float64 truth): values and
+    the gradients of a random mix of both outputs, under the error rule. Returns (log_probs, entropy)."""
+    from logitless import linear_log_probs, reference
+
+    def run(xs, ours, upcast=True):
+        xo, wo, bo = leaves(*xs)
+        if ours:
+            out = linear_log_probs(xo, wo, t, linear_bias=bo, return_entropy=True, backend=backend, **kw)
+        else:
+            out = reference.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True,
+                                                   **kw)
+        return out, [xo, wo, bo]
+
+    (lp, ent), ins = run((x, w, b), True)
+    (lp_t, ent_t), ins_t = run((x, w, b), False, upcast=False)
+    (lp_64, ent_64), ins_64 = run(tuple(None if a is None else a.double() for a in (x, w, b)), False)
+    assert lp.dtype == ent.dtype == torch.float32
+    assert_within_rule("log_probs", lp, lp_t, lp_64)
+    assert_within_rule("entropy", ent, ent_t, ent_64)
+    assert (lp[t == -100] == 0).all() and (ent[t == -100] == 0).all()
+    # RL losses backpropagate through both outputs: random upstream gradients for each.
+    gen = torch.Generator().manual_seed(3)
+    g_lp = torch.randn(lp.shape, generator=gen).to(lp.device)
+    g_ent = torch.randn(lp.shape, generator=gen).to(lp.device)
+
+    def total(lp, ent):
+        return (lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
+
+    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
+    for name, go, gt, g64 in zip(names, grads(total(lp, ent), ins), grads(total(lp_t, ent_t), ins_t),
+                                 grads(total(lp_64, ent_64), ins_64), strict=True):
+        assert_within_rule(name, go, gt, g64)
+    return lp, ent
+
+
+def check_cross_entropy(z, t, backend="torch", inplace=False, upstream_seed=1, **kw):
+    """cross_entropy on logits (ours on `backend`, PyTorch in z's dtype, float64 truth): loss and d(logits) under
+    a random upstream gradient, within the error rule. Returns our gradient."""
+    from logitless import cross_entropy, reference
+
+    zo = z.clone().requires_grad_(True)
+    ours = cross_entropy(zo, t, backend=backend, inplace_backward=inplace, **kw)
+    zt = z.clone().requires_grad_(True)
+    theirs = reference.naive_cross_entropy(zt, t, upcast=False, **kw)
+    z64 = z.double().requires_grad_(True)
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    truth = reference.naive_cross_entropy(z64, t, **kw64)
+    assert ours.dtype == torch.float32 and ours.shape == truth.shape
+    assert_within_rule("loss", ours, theirs, truth)
+    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
+    up = up.to(z.device)
+    (go,) = torch.autograd.grad(ours, zo, up.float())
+    (gt,) = torch.autograd.grad(theirs, zt, up.to(theirs.dtype))
+    (g64,) = torch.autograd.grad(truth, z64, up)
+    assert go.dtype == z.dtype
+    assert_within_rule("d_logits", go, gt, g64)
+    if inplace:
+        assert go.data_ptr() == zo.data_ptr()  # the gradient lives in the logits buffer
+    return go
+
+
+def assert_compiled_matches_eager(loss_fn, x, w, b, t, compile_backend="inductor"):
+    """torch.compile(fullgraph=True) of loss_fn(x, w, b, t) gives the eager loss and gradients."""
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=compile_backend)
+    xo, wo, bo = leaves(x, w, b)
+    xc, wc, bc = leaves(x, w, b)
+    eager = loss_fn(xo, wo, bo, t)
+    comp = compiled(xc, wc, bc, t)
+    torch.testing.assert_close(comp, eager)
+    for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
+        torch.testing.assert_close(gc, ge)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import reference
-from tests.helpers import DTYPES, V, check_against_truth, grads, leaves, make_case
+from tests.helpers import DTYPES, V, assert_compiled_matches_eager, check_against_truth, make_case
 
 # reduction x ignored tokens x label smoothing x z-loss x softcap x bias x class weights x dtype
 GRID = list(itertools.product(
@@ -118,11 +118,4 @@ def test_torch_compile_fullgraph():
         return logitless.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-3,
                                               backend="torch")
 
-    compiled = torch.compile(loss_fn, fullgraph=True)
-    xo, wo, bo = leaves(x, w, b)
-    xc, wc, bc = leaves(x, w, b)
-    eager = loss_fn(xo, wo, bo, t)
-    comp = compiled(xc, wc, bc, t)
-    torch.testing.assert_close(comp, eager)
-    for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
-        torch.testing.assert_close(gc, ge)
+    assert_compiled_matches_eager(loss_fn, x, w, b, t)

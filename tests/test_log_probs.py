@@ -7,18 +7,9 @@ import torch
 
 import logitless
 from logitless import reference
-from tests.helpers import DTYPES, assert_within_rule, grads, leaves, make_case
+from tests.helpers import DTYPES, assert_within_rule, check_log_probs_entropy, grads, leaves, make_case
 
 GRID = list(itertools.product((None, 4.0), (1.0, 0.6), (False, True), (False, True), DTYPES))
-
-
-def run_log_probs(x, w, b, t, *, naive=False, upcast=True, **kw):
-    xo, wo, bo = leaves(x, w, b)
-    if naive:
-        out = reference.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True, **kw)
-    else:
-        out = logitless.linear_log_probs(xo, wo, t, linear_bias=bo, return_entropy=True, backend="torch", **kw)
-    return out, [xo, wo, bo]
 
 
 @pytest.mark.parametrize("softcap,temperature,bias,ignore,dtype,scale", [g + (3.0,) for g in GRID] + [
@@ -26,26 +17,7 @@ def run_log_probs(x, w, b, t, *, naive=False, upcast=True, **kw):
     (None, 1.0, True, True, torch.float32, 3000.0), (None, 0.6, False, False, torch.bfloat16, 3000.0)])
 def test_log_probs_and_entropy(softcap, temperature, bias, ignore, dtype, scale):
     x, w, b, t = make_case(dtype, bias=bias, ignore_frac=0.3 if ignore else 0.0, scale=scale)
-    kw = dict(softcap=softcap, temperature=temperature)
-    (lp, ent), ins = run_log_probs(x, w, b, t, **kw)
-    (lp_t, ent_t), ins_t = run_log_probs(x, w, b, t, naive=True, upcast=False, **kw)
-    x64, w64, b64 = (None if a is None else a.double() for a in (x, w, b))
-    (lp_64, ent_64), ins_64 = run_log_probs(x64, w64, b64, t, naive=True, **kw)
-    assert lp.dtype == ent.dtype == torch.float32
-    assert_within_rule("log_probs", lp, lp_t, lp_64)
-    assert_within_rule("entropy", ent, ent_t, ent_64)
-    assert (lp[t == -100] == 0).all() and (ent[t == -100] == 0).all()
-    # RL losses backpropagate through both outputs: random upstream gradients for each.
-    gen = torch.Generator().manual_seed(3)
-    g_lp, g_ent = torch.randn(lp.shape, generator=gen), torch.randn(lp.shape, generator=gen)
-
-    def total(lp, ent):
-        return (lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
-
-    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
-    for name, go, gt, g64 in zip(names, grads(total(lp, ent), ins), grads(total(lp_t, ent_t), ins_t),
-                                 grads(total(lp_64, ent_64), ins_64), strict=True):
-        assert_within_rule(name, go, gt, g64)
+    check_log_probs_entropy(x, w, b, t, softcap=softcap, temperature=temperature)
 
 
 @pytest.mark.parametrize("softcap,temperature,bias,dtype", list(itertools.product(

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import logitless
-from logitless import reference
 from logitless.cross_entropy import CrossEntropyOutput
 from logitless.kernels import cross_entropy as kce
-from tests.helpers import DTYPES, assert_within_rule
+from tests.helpers import DTYPES, check_cross_entropy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,26 +33,7 @@ def make(n, v, dtype, scale=3.0, ignore_frac=0.25, seed=0):
 
 
 def check(z, t, inplace=False, upstream_seed=1, **kw):
-    """Loss and d(logits) of ours (Triton), of PyTorch in z's dtype and of float64, under a random upstream."""
-    zo = z.clone().requires_grad_(True)
-    ours = logitless.cross_entropy(zo, t, backend="triton", inplace_backward=inplace, **kw)
-    zt = z.clone().requires_grad_(True)
-    theirs = reference.naive_cross_entropy(zt, t, upcast=False, **kw)
-    z64 = z.double().requires_grad_(True)
-    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    truth = reference.naive_cross_entropy(z64, t, **kw64)
-    assert ours.dtype == torch.float32 and ours.shape == truth.shape
-    assert_within_rule("loss", ours, theirs, truth)
-    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
-    up = up.to(DEV)
-    (go,) = torch.autograd.grad(ours, zo, up.float())
-    (gt,) = torch.autograd.grad(theirs, zt, up.to(theirs.dtype))
-    (g64,) = torch.autograd.grad(truth, z64, up)
-    assert go.dtype == z.dtype
-    assert_within_rule("d_logits", go, gt, g64)
-    if inplace:
-        assert go.data_ptr() == zo.data_ptr()  # the gradient lives in the logits buffer
-    return go
+    return check_cross_entropy(z, t, "triton", inplace, upstream_seed, **kw)
 
 
 # (reduction, label_smoothing, z_loss, softcap, class weights, dtype, inplace): a covering set, not the product;

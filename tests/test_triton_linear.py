@@ -16,7 +16,16 @@ from logitless import reference
 from logitless.bench import data
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import class_counts
-from tests.helpers import assert_within_rule, check_against_truth, grads, leaves, make_case, rel_err
+from tests.helpers import (
+    assert_compiled_matches_eager,
+    assert_within_rule,
+    check_against_truth,
+    check_log_probs_entropy,
+    grads,
+    leaves,
+    make_case,
+    rel_err,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,15 +99,6 @@ def test_extreme_logits(dtype):
     lce_check(x, w, b, t, label_smoothing=0.1, z_loss=1e-6)
 
 
-def run_log_probs(x, w, b, t, naive=False, upcast=True, **kw):
-    xo, wo, bo = leaves(x, w, b)
-    if naive:
-        out = reference.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True, **kw)
-    else:
-        out = logitless.linear_log_probs(xo, wo, t, linear_bias=bo, return_entropy=True, backend="triton", **kw)
-    return out, [xo, wo, bo]
-
-
 @pytest.mark.parametrize("softcap,temperature,bias,dtype", [
     (None, 1.0, False, torch.float32),
     (4.0, 0.6, True, torch.float32),
@@ -110,25 +110,7 @@ def test_log_probs_and_entropy(softcap, temperature, bias, dtype, monkeypatch):
     plans = []
     monkeypatch.setattr(lh, "DEBUG_PLANS", plans)  # the entropy's gradient is never skipped
     x, w, b, t = case(dtype, bias=bias, ignore_frac=0.3, scale=3.0)
-    kw = dict(softcap=softcap, temperature=temperature)
-    (lp, ent), ins = run_log_probs(x, w, b, t, **kw)
-    (lp_t, ent_t), ins_t = run_log_probs(x, w, b, t, naive=True, upcast=False, **kw)
-    (lp_64, ent_64), ins_64 = run_log_probs(*(None if a is None else a.double() for a in (x, w, b)), t, naive=True,
-                                            **kw)
-    assert lp.dtype == ent.dtype == torch.float32
-    assert_within_rule("log_probs", lp, lp_t, lp_64)
-    assert_within_rule("entropy", ent, ent_t, ent_64)
-    assert (lp[t == -100] == 0).all() and (ent[t == -100] == 0).all()
-    gen = torch.Generator().manual_seed(3)
-    g_lp, g_ent = torch.randn(lp.shape, generator=gen).to(DEV), torch.randn(lp.shape, generator=gen).to(DEV)
-
-    def total(lp, ent):
-        return (lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
-
-    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
-    for name, go, gt, g64 in zip(names, grads(total(lp, ent), ins), grads(total(lp_t, ent_t), ins_t),
-                                 grads(total(lp_64, ent_64), ins_64), strict=True):
-        assert_within_rule(name, go, gt, g64)
+    check_log_probs_entropy(x, w, b, t, "triton", softcap=softcap, temperature=temperature)
     assert plans == []
 
 
@@ -265,14 +247,7 @@ def test_torch_compile_fullgraph():
         return logitless.linear_cross_entropy(x, w, t, linear_bias=b, z_loss=1e-3, skip_threshold=2.0**-12,
                                               vocab_order="batch", backend="triton")
 
-    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
-    xo, wo, bo = leaves(x, w, b)
-    xc, wc, bc = leaves(x, w, b)
-    eager = loss_fn(xo, wo, bo, t)
-    comp = compiled(xc, wc, bc, t)
-    torch.testing.assert_close(comp, eager)
-    for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
-        torch.testing.assert_close(gc, ge)
+    assert_compiled_matches_eager(loss_fn, x, w, b, t, compile_backend="aot_eager")
 
 
 def test_float64_is_refused_by_triton_and_routed_by_auto():

@@ -56,6 +56,14 @@ class Comparison:
         return f"{self.name}: error {self.err:.3e} vs PyTorch's {self.err_torch:.3e}"
 
 
+def rule_line(name: str, ours, theirs, truth, failures: list) -> str:
+    """One "name err/err_torch" entry of the rule for the GPU scripts; a failing name is appended to `failures`."""
+    c = Comparison(name, err=rel_err(ours, truth), err_torch=rel_err(theirs, truth))
+    if not c.ok:
+        failures.append(name)
+    return f"{name} {c.err:.2e}/{c.err_torch:.2e}{'' if c.ok else ' FAIL'}"
+
+
 def _naive(job: str, upcast: bool):
     if job == "train":
         return lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t, upcast=upcast)

@@ -132,6 +132,22 @@ def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
 
 
 @triton.jit
+def _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row, softcap, V,
+                      n_tiles, BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """Write dL/dz over a row block's logits, tile by tile, from its (M, log S) and coefficients (A, C, E)."""
+    for j in range(0, n_tiles):
+        cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+        col_mask = cols < V
+        z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+        p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
+        dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
+                        HAS_SOFTCAP)
+        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
 def _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """The (softcapped) logit of each row's target, gathered from memory; 0 on ignored rows."""
@@ -258,17 +274,9 @@ def _ce_fwd_kernel(
                 # moments ago); other programs never wait, so there is no inter-program dependency to deadlock on.
                 A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
                                      HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
-                for j in range(0, tl.cdiv(V, BLOCK_V)):
-                    cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-                    col_mask = cols < V
-                    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-                                       HAS_SOFTCAP, INTERPRET)
-                    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
-                    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT,
-                                    HAS_SMOOTHING, HAS_SOFTCAP)
-                    tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                             _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
-                             mask=row_mask[:, None] & col_mask[None, :])
+                _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row,
+                                  softcap, V, tl.cdiv(V, BLOCK_V), BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                                  INTERPRET)
     else:
         M = tl.where(row_mask, m_run, 0.0)
         logS = tl.log(tl.where(row_mask, s_run, 1.0))
@@ -287,17 +295,8 @@ def _ce_fwd_kernel(
                          _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
                          mask=row_mask[:, None] & col_mask[None, :])
             else:
-                for j in range(0, TILES):
-                    cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-                    col_mask = cols < V
-                    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-                                       HAS_SOFTCAP, INTERPRET)
-                    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
-                    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT,
-                                    HAS_SMOOTHING, HAS_SOFTCAP)
-                    tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                             _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
-                             mask=row_mask[:, None] & col_mask[None, :])
+                _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row,
+                                  softcap, V, TILES, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
 
 
 @triton.jit
