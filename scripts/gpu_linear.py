@@ -230,6 +230,89 @@ def run_variants(reps):
     return out
 
 
+FWD_VARIANTS = {
+    "pointers (default)": {},
+    "pointers flatten": dict(flatten=True),
+    "tma": dict(tma=True),
+    "tma flatten": dict(tma=True, flatten=True),
+    "tma flatten s4": dict(tma=True, flatten=True, fwd_stages=4),
+    "tma s4": dict(tma=True, fwd_stages=4),
+    "tma flatten waves4": dict(tma=True, flatten=True, waves=4),
+    "tma flatten waves16": dict(tma=True, flatten=True, waves=16),
+    "tma flatten 256x128": dict(tma=True, flatten=True, block_n=256, block_v=128),
+    "tma flatten ws": dict(tma=True, flatten=True, warp_specialize=True),
+}
+
+
+def run_fwd_variants(shapes, reps, names=None):
+    """No-grad log-probs (one fused pass) under each forward configuration, next to one cuBLAS product, at each
+    shape (uniform data); every variant's log-probs are compared with the default's. Then fwd+bwd with the default
+    and with tensor descriptors in the forward and dz kernels."""
+    out = {}
+    base = lh._GPU_CONFIG
+    for shape in shapes:
+        N, D, V = SHAPES[shape]
+        head = data.uniform(N, D, V, device="cuda")
+        x, w, t = head.input, head.weight, head.target
+        mm = median_ms(lambda x=x, w=w: x @ w.T, reps)
+        out[f"{shape} mm"] = mm
+        print(f"  {shape}: mm {mm:.3f} ms", flush=True)
+        ref = None
+        for name, change in FWD_VARIANTS.items():
+            if names and name not in names:
+                continue
+            lh.CONFIG_OVERRIDE = base._replace(**change)
+            try:
+                with torch.no_grad():
+                    lp = logitless.linear_log_probs(x, w, t, backend="triton")
+                    if ref is None:
+                        ref = lp
+                    diff = (lp - ref).abs().max().item()
+                    ms = median_ms(lambda x=x, w=w, t=t: logitless.linear_log_probs(x, w, t, backend="triton"), reps)
+                out[f"{shape} logp {name}"] = (ms, diff)
+                print(f"  {shape} logp {name}: {ms:.3f} ms = {ms / mm:.3f} x mm (max |diff| {diff:.2e})",
+                      flush=True)
+            except Exception as e:  # a configuration the compiler rejects is reported, not fatal
+                out[f"{shape} logp {name}"] = repr(e)[:200]
+                print(f"  {shape} logp {name}: {repr(e)[:200]}", flush=True)
+            finally:
+                lh.CONFIG_OVERRIDE = None
+        xl, wl = leaf(x), leaf(w)
+        for name, change in (("default", {}), ("tma fwd+dz", dict(tma=True)),
+                             ("tma flatten fwd+dz", dict(tma=True, flatten=True))):
+            lh.CONFIG_OVERRIDE = base._replace(**change)
+            try:
+                ms = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(
+                    logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), max(3, reps // 3))
+                with torch.no_grad():
+                    fms = median_ms(lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"),
+                                    reps)
+                out[f"{shape} fwdbwd {name}"] = (ms, fms)
+                print(f"  {shape} {name}: fwd+bwd {ms:.2f} ms, fwd {fms:.3f} ms = {fms / mm:.3f} x mm", flush=True)
+            except Exception as e:
+                out[f"{shape} fwdbwd {name}"] = repr(e)[:200]
+                print(f"  {shape} fwdbwd {name}: {repr(e)[:200]}", flush=True)
+            finally:
+                lh.CONFIG_OVERRIDE = None
+        del head, x, w, t, xl, wl, ref
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_logp_profile(shape):
+    """Kernel times of one no-grad log-probs call (what else than the fused kernel runs)."""
+    N, D, V = SHAPES[shape]
+    head = data.uniform(N, D, V, device="cuda")
+    with torch.no_grad():
+        logitless.linear_log_probs(head.input, head.weight, head.target, backend="triton")
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            logitless.linear_log_probs(head.input, head.weight, head.target, backend="triton")
+            torch.cuda.synchronize()
+    print(f"  profile {shape} uniform, no-grad log-probs:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
+
+
 def run_extra():
     out = {}
     # N * D > 2^31 (input and the dz workspace), then V * D > 2^31 (weight and its gradient).
@@ -481,6 +564,8 @@ def main():
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--fwd-variants", default="", help="forward variants (comma-separated names, or 'all') at "
+                    "--shapes, then exit")
     ap.add_argument("--profile", default="", help="comma-separated shapes to profile (kernel times)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="checks only, at a tiny shape on the CPU interpreter")
@@ -510,6 +595,16 @@ def main():
           flush=True)
     if a.sparsity:
         run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
+        return
+    if a.fwd_variants:
+        for shape in filter(None, a.profile.split(",")):
+            run_logp_profile(shape)
+        names = None if a.fwd_variants == "all" else a.fwd_variants.split(",")
+        res = run_fwd_variants(a.shapes.split(","), a.reps, names)
+        kernel_resources()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
         return
     results = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__, "cases": {}}
     failures = []

@@ -51,6 +51,11 @@ import triton.language as tl
 
 from .. import _dispatch
 
+try:  # Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 # Bytes of the one scratch buffer the backward may allocate (dL/dz of a vocabulary chunk when it cannot borrow a
 # gradient buffer, and split-K partials). Tests shrink it to force many chunks.
 SCRATCH_BYTES = 8 << 20
@@ -104,11 +109,21 @@ def _logits_tile(
     x_ptr, w_ptr, perm_ptr, row0, col0, N, col_end, D,
     stride_xn, stride_xd, stride_wv, stride_wd,
     HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Raw float32 logits [BLOCK_N, BLOCK_V] of rows row0.. and vocabulary positions col0.. (int64 scalars; the
     classes perm[col] with a perm). Rows >= N and positions >= col_end repeat the last valid one (no masks in the
-    loop); the caller masks them."""
+    loop); the caller masks them. With USE_TMA, x_ptr and w_ptr are tensor descriptors of blocks [BLOCK_N, BLOCK_K]
+    and [BLOCK_V, BLOCK_K] (no perm): the copy engine moves the tiles and fills reads past N, V or D with zeros."""
+    if USE_TMA:
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        r0 = row0.to(tl.int32)
+        c0 = col0.to(tl.int32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            xt = x_ptr.load([r0, k * BLOCK_K])
+            wt = w_ptr.load([c0, k * BLOCK_K])
+            acc = _mma(xt, tl.trans(wt), acc, DOT_PRECISION, UPCAST)
+        return acc
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1)
     cols = tl.minimum(col0 + tl.arange(0, BLOCK_V), col_end - 1)
@@ -188,7 +203,8 @@ def _fwd_kernel(
     HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
     RECORD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     pid_n, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
     row0 = pid_n.to(tl.int64) * BLOCK_N
@@ -207,18 +223,27 @@ def _fwd_kernel(
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
-    for _ in range(j0, j1):
+    # FLATTEN: one software pipeline over (tile, reduction step), so the next tile's loads are in flight during
+    # this tile's epilogue.
+    for _ in tl.range(j0, j1, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
         col_ok = cols < V
         cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
         acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                           HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+                           HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
         z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
-        # [BLOCK_N, BLOCK_V]; classes past V hold finite values (zero weights read) and are masked below.
-        m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
+        # [BLOCK_N, BLOCK_V]; classes past V hold finite values (zero weights read) and are masked below, unless
+        # every tile is whole (EVEN_V): the epilogue is on the critical path, so no per-element selects there.
+        if EVEN_V:
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+        else:
+            m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
         alpha = tl.exp(m - m_new)
         d = z - m_new[:, None]
-        e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        if EVEN_V:
+            e = tl.exp(d)
+        else:
+            e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
         if HAS_ENTROPY:
             ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
         e_sum = tl.sum(e, axis=1)
@@ -230,7 +255,13 @@ def _fwd_kernel(
             tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
         if HAS_TARGET:
             # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
-            zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+            if HAS_PERM:
+                zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+            else:
+                # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
+                inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, V))
+                rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
+                zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
         if HAS_SMOOTH:
             if HAS_CLASS_WEIGHT:
                 cw = tl.load(cw_ptr + cls, mask=col_ok, other=0.0).to(tl.float32)
@@ -318,7 +349,7 @@ def _dz_kernel(
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
     HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
@@ -343,7 +374,7 @@ def _dz_kernel(
     col_ok = cols < v_end
     cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
     acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                       HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+                       HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
     z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     rows_in = tl.minimum(rows, N - 1)  # rows past N repeat the last one (finite values); never stored
     m = tl.load(m_ptr + rows_in)
@@ -598,6 +629,9 @@ class Config(NamedTuple):
     group: int
     waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
     dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
+    tma: bool = False  # forward / dz operands through tensor descriptors (the copy engine) where possible
+    flatten: bool = False  # forward: one software pipeline across vocabulary tiles
+    warp_specialize: bool = False  # forward: Triton's producer / consumer warp split of the tile loop
 
 
 # Hopper-class GPUs, bf16/fp16 (H200, llama3-8b uniform; notes/linear_head.md): forward 128 x 256 x 64 tiles, 8
@@ -629,6 +663,22 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
+
+
+def _use_tma(cfg: Config, x: torch.Tensor, w: torch.Tensor, perm) -> bool:
+    """Tensor descriptors need Triton's descriptor API, no vocabulary order (the copy engine reads whole blocks of
+    rows, not gathered ones), a unit last stride and 16-byte aligned bases and row strides."""
+    if not cfg.tma or TensorDescriptor is None or perm is not None:
+        return False
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (x, w))
+
+
+def _operands(x, w, use_tma: bool, block_n: int, block_v: int, block_k: int):
+    # What the logits product reads: the tensors, or descriptors of their [block, block_k] tiles.
+    if not use_tma:
+        return x, w
+    return (TensorDescriptor.from_tensor(x, [block_n, block_k]), TensorDescriptor.from_tensor(w, [block_v, block_k]))
 
 
 def _dummy(x: torch.Tensor) -> torch.Tensor:
@@ -768,8 +818,10 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     wsum = _new(n_splits, **f32)
     has_target = target is not None
     dummy = _dummy(x)
+    tma = _use_tma(cfg, x, w, perm)
+    xo, wo = _operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
     _fwd_kernel[(n_blocks * n_splits,)](
-        x, w, b if b is not None else dummy, target if has_target else dummy,
+        xo, wo, b if b is not None else dummy, target if has_target else dummy,
         class_w if class_w is not None else dummy, perm if perm is not None else dummy,
         part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy,
         N, V, D, tiles_per_split, n_splits, n_vtiles,
@@ -779,7 +831,8 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-        EVEN_K=D % cfg.block_k == 0, **_dot_flags(x),
+        EVEN_K=D % cfg.block_k == 0, **_dot_flags(x), USE_TMA=tma, FLATTEN=cfg.flatten,
+        WARP_SPECIALIZE=cfg.warp_specialize, EVEN_V=V % cfg.block_v == 0,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
@@ -891,6 +944,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if DEBUG_PLANS is not None:
             DEBUG_PLANS.append(sp)
     lists = (sp.list_n, sp.pre_n, sp.list_v, sp.pre_v) if skip else (dummy,) * 4
+    dz_tma = _use_tma(cfg, x, w, perm)
+    dz_x, dz_w = _operands(x, w, dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
     scratch = []  # one lazily allocated buffer of SCRATCH_BYTES (more only if one row of N tokens needs more)
 
     def scratch_view(shape, dtype):
@@ -905,7 +960,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         store = dz is not None
         dbp = _new((n_blocks, v1 - v0), **f32) if with_db else None
         _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.dz_block_v),)](
-            x, w, b if b is not None else dummy, target if target is not None else dummy,
+            dz_x, dz_w, b if b is not None else dummy, target if target is not None else dummy,
             class_w if class_w is not None else dummy, perm if has_perm else dummy, m, logs, A,
             B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
             sp.hot if skip else dummy, dz if store else dummy, dbp if with_db else dummy,
@@ -917,6 +972,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
             HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db, HAS_PERM=has_perm, SKIP=skip,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
+            USE_TMA=dz_tma,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )
         if with_db:
