@@ -232,15 +232,16 @@ def run_variants(reps):
 
 FWD_VARIANTS = {
     "pointers (default)": {},
-    "pointers flatten": dict(flatten=True),
     "tma": dict(tma=True),
+    "tma s4": dict(tma=True, fwd_stages=4),
+    "tma k128 s2": dict(tma=True, block_k=128, fwd_stages=2),
+    "tma waves4": dict(tma=True, waves=4),
+    "tma waves16": dict(tma=True, waves=16),
+    "tma 256x128": dict(tma=True, block_n=256, block_v=128),
+    "tma 256x128 s4": dict(tma=True, block_n=256, block_v=128, fwd_stages=4),
     "tma flatten": dict(tma=True, flatten=True),
     "tma flatten s4": dict(tma=True, flatten=True, fwd_stages=4),
-    "tma s4": dict(tma=True, fwd_stages=4),
-    "tma flatten waves4": dict(tma=True, flatten=True, waves=4),
-    "tma flatten waves16": dict(tma=True, flatten=True, waves=16),
-    "tma flatten 256x128": dict(tma=True, flatten=True, block_n=256, block_v=128),
-    "tma flatten ws": dict(tma=True, flatten=True, warp_specialize=True),
+    "pointers flatten": dict(flatten=True),
 }
 
 
@@ -306,10 +307,19 @@ def run_logp_profile(shape):
     with torch.no_grad():
         logitless.linear_log_probs(head.input, head.weight, head.target, backend="triton")
         torch.cuda.synchronize()
+        # Five calls back to back, each also timed with events: kernel time against event time shows host gaps or
+        # clocks that fall under sustained load.
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            logitless.linear_log_probs(head.input, head.weight, head.target, backend="triton")
+            ev = []
+            for _ in range(5):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                logitless.linear_log_probs(head.input, head.weight, head.target, backend="triton")
+                e1.record()
+                ev.append((e0, e1))
             torch.cuda.synchronize()
-    print(f"  profile {shape} uniform, no-grad log-probs:")
+    print("  event ms per call: " + " ".join(f"{a.elapsed_time(b):.2f}" for a, b in ev))
+    print(f"  profile {shape} uniform, 5 no-grad log-probs calls:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
 
 

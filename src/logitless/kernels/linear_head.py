@@ -115,34 +115,34 @@ def _logits_tile(
     classes perm[col] with a perm). Rows >= N and positions >= col_end repeat the last valid one (no masks in the
     loop); the caller masks them. With USE_TMA, x_ptr and w_ptr are tensor descriptors of blocks [BLOCK_N, BLOCK_K]
     and [BLOCK_V, BLOCK_K] (no perm): the copy engine moves the tiles and fills reads past N, V or D with zeros."""
+    # One return at the end: the compiler generates the code after a constant `if` that returns, too.
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if USE_TMA:
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         r0 = row0.to(tl.int32)
         c0 = col0.to(tl.int32)
         for k in range(0, tl.cdiv(D, BLOCK_K)):
             xt = x_ptr.load([r0, k * BLOCK_K])
             wt = w_ptr.load([c0, k * BLOCK_K])
             acc = _mma(xt, tl.trans(wt), acc, DOT_PRECISION, UPCAST)
-        return acc
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1)
-    cols = tl.minimum(col0 + tl.arange(0, BLOCK_V), col_end - 1)
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + cols).to(tl.int64)
-    x_ptrs = x_ptr + (rows[:, None] * stride_xn + offs_k[None, :] * stride_xd)
-    w_ptrs = w_ptr + (cols[:, None] * stride_wv + offs_k[None, :] * stride_wd)
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-            wt = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < D - k * BLOCK_K
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        acc = _mma(xt, tl.trans(wt), acc, DOT_PRECISION, UPCAST)
-        x_ptrs += BLOCK_K * stride_xd
-        w_ptrs += BLOCK_K * stride_wd
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1)
+        cols = tl.minimum(col0 + tl.arange(0, BLOCK_V), col_end - 1)
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + cols).to(tl.int64)
+        x_ptrs = x_ptr + (rows[:, None] * stride_xn + offs_k[None, :] * stride_xd)
+        w_ptrs = w_ptr + (cols[:, None] * stride_wv + offs_k[None, :] * stride_wd)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                wt = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            acc = _mma(xt, tl.trans(wt), acc, DOT_PRECISION, UPCAST)
+            x_ptrs += BLOCK_K * stride_xd
+            w_ptrs += BLOCK_K * stride_wd
     return acc
 
 
