@@ -239,6 +239,7 @@ FWD_VARIANTS = {
     "tma waves16": dict(tma=True, waves=16),
     "tma 256x128": dict(tma=True, block_n=256, block_v=128),
     "tma 256x128 s4": dict(tma=True, block_n=256, block_v=128, fwd_stages=4),
+    "tma 128x128 w4": dict(tma=True, block_n=128, block_v=128, fwd_warps=4),
     "tma flatten": dict(tma=True, flatten=True),
     "tma flatten s4": dict(tma=True, flatten=True, fwd_stages=4),
     "pointers flatten": dict(flatten=True),
