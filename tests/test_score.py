@@ -120,7 +120,10 @@ def _jsonl(tmp_path, docs, name="docs.jsonl"):
 
 
 def _score(argv, capsys):
-    """Run main() in-process; return the JSON records it printed."""
+    """Run main() in-process; return the JSON records it printed. float32 unless the test names a dtype (the
+    default, auto, is bf16 on a GPU)."""
+    if "--dtype" not in argv:
+        argv = [*argv, "--dtype", "fp32"]
     rc = score.main([*argv, "--quiet"])
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -134,19 +137,25 @@ def _expected_ids(tok, text: str, bos: str) -> list[int]:
     return [tok.bos_token_id, *ids] if bos == "prepended" else ids
 
 
-def _truth(model_dir, ids_list, dtype):
+# `logitless score --device auto` runs on this device; PyTorch in the same dtype runs there too, so that the rule
+# compares the head alone (a GPU backbone differs from a CPU one by more than the head's rounding).
+SCORE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _truth(model_dir, ids_list, dtype, device="cpu"):
     """Per document: log p of each next token and the entropy of each prediction, from the model's own logits.
 
     One right-padded forward for all documents: under causal attention a token never sees the padding after it.
     """
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     lengths = [len(ids) for ids in ids_list]
     batch = torch.zeros(len(ids_list), max(lengths), dtype=torch.long)
     for i, ids in enumerate(ids_list):
         batch[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
     mask = (torch.arange(batch.shape[1]) < torch.tensor(lengths)[:, None]).long()
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=batch, attention_mask=mask).logits, dim=-1)
+        logits = model(input_ids=batch.to(device), attention_mask=mask.to(device)).logits
+        logp = torch.log_softmax(logits, dim=-1).cpu()
     out = []
     for i, n in enumerate(lengths):
         lp = logp[i, :max(n - 1, 0)]
@@ -157,7 +166,7 @@ def _truth(model_dir, ids_list, dtype):
 def _check_against_model(records, model_dir, ids_list, dtype):
     """Every number in `records` within the error rule against float64, next to PyTorch on the model's logits."""
     truth = _truth(model_dir, ids_list, torch.float64)
-    same = _truth(model_dir, ids_list, dtype)
+    same = _truth(model_dir, ids_list, dtype, SCORE_DEVICE)
     for rec, ids in zip(records, ids_list, strict=True):
         assert rec["token_ids"] == ids[1:]
         assert rec["num_tokens"] == max(0, len(ids) - 1)
@@ -243,7 +252,7 @@ def test_windows(family, model_dirs, tmp_path, capsys):
         end = next(e for e in ends if e > j)
         contexts.append(prefix + body[max(0, end - window):j + 1])
     truth = _truth(d, contexts, torch.float64)
-    same = _truth(d, contexts, torch.float32)
+    same = _truth(d, contexts, torch.float32, SCORE_DEVICE)
     last = lambda parts, k: torch.stack([p[k][-1] for p in parts])
     assert_within_rule("windowed log_probs", torch.tensor(rec["log_probs"]), last(same, 0), last(truth, 0))
     assert_within_rule("windowed entropies", torch.tensor(rec["entropies"]), last(same, 1), last(truth, 1))
