@@ -306,7 +306,8 @@ def test_subprocess_writes_output_file(model_dirs, tmp_path, capsys):
     src = str(_jsonl(tmp_path, DOCS))
     out = tmp_path / "scores.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--output", str(out), src],
+    proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--dtype", "fp32", "--output",
+                           str(out), src],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
