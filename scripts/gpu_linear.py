@@ -231,8 +231,8 @@ def run_variants(reps):
 
 
 FWD_VARIANTS = {
-    "pointers (default)": {},
-    "tma": dict(tma=True),
+    "tma (default)": {},
+    "pointers": dict(tma=False),
     "tma s4": dict(tma=True, fwd_stages=4),
     "tma k128 s2": dict(tma=True, block_k=128, fwd_stages=2),
     "tma waves4": dict(tma=True, waves=4),
@@ -240,16 +240,13 @@ FWD_VARIANTS = {
     "tma 256x128": dict(tma=True, block_n=256, block_v=128),
     "tma 256x128 s4": dict(tma=True, block_n=256, block_v=128, fwd_stages=4),
     "tma 128x128 w4": dict(tma=True, block_n=128, block_v=128, fwd_warps=4),
-    "tma flatten": dict(tma=True, flatten=True),
-    "tma flatten s4": dict(tma=True, flatten=True, fwd_stages=4),
-    "pointers flatten": dict(flatten=True),
 }
 
 
 def run_fwd_variants(shapes, reps, names=None):
     """No-grad log-probs (one fused pass) under each forward configuration, next to one cuBLAS product, at each
     shape (uniform data); every variant's log-probs are compared with the default's. Then fwd+bwd with the default
-    and with tensor descriptors in the forward and dz kernels."""
+    (tensor descriptors in the forward and dz kernels) and with pointer loads."""
     out = {}
     base = lh._GPU_CONFIG
     for shape in shapes:
@@ -280,8 +277,7 @@ def run_fwd_variants(shapes, reps, names=None):
             finally:
                 lh.CONFIG_OVERRIDE = None
         xl, wl = leaf(x), leaf(w)
-        for name, change in (("default", {}), ("tma fwd+dz", dict(tma=True)),
-                             ("tma flatten fwd+dz", dict(tma=True, flatten=True))):
+        for name, change in (("default", {}), ("pointers fwd+dz", dict(tma=False))):
             lh.CONFIG_OVERRIDE = base._replace(**change)
             try:
                 ms = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(

@@ -74,7 +74,7 @@ def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, c
               softcap=softcap)
 
 
-# Tensor descriptors (the copy engine's tiles, zero-filled past N, V and D) and the flattened forward loop. D = 48
+# Tensor descriptors (the copy engine's tiles, zero-filled past N, V and D). D = 48
 # and 40 give 16-byte aligned rows in every dtype (D = 45 elsewhere falls back to pointers); 40 leaves a partial
 # reduction step; V = 320 makes every vocabulary tile whole (the forward's unmasked epilogue, EVEN_V).
 # (reduction, smoothing, softcap, bias, class weights, dtype, D, V, descriptors)
@@ -87,10 +87,9 @@ TMA_GRID = [
 
 
 @pytest.mark.parametrize("reduction,smoothing,softcap,bias,class_w,dtype,d,v,tma", TMA_GRID)
-def test_tensor_descriptors_and_flattened_loop(monkeypatch, reduction, smoothing, softcap, bias, class_w, dtype, d,
+def test_tensor_descriptors(monkeypatch, reduction, smoothing, softcap, bias, class_w, dtype, d,
                                                v, tma):
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=tma,
-                                                                                               flatten=True))
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=tma))
     x, w, b, t = case(dtype, d=d, v=v, bias=bias, ignore_frac=0.25, scale=3.0)
     assert lh._use_tma(lh._config(x), x, w, None) == tma
     cw = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None

@@ -204,7 +204,7 @@ def _fwd_kernel(
     RECORD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EVEN_V: tl.constexpr,
+    EVEN_V: tl.constexpr,
 ):
     pid_n, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
     row0 = pid_n.to(tl.int64) * BLOCK_N
@@ -223,9 +223,7 @@ def _fwd_kernel(
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
-    # FLATTEN: one software pipeline over (tile, reduction step), so the next tile's loads are in flight during
-    # this tile's epilogue.
-    for _ in tl.range(j0, j1, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for _ in range(j0, j1):
         cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
         col_ok = cols < V
         cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
@@ -630,15 +628,14 @@ class Config(NamedTuple):
     waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
     dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
     tma: bool = False  # forward / dz operands through tensor descriptors (the copy engine) where possible
-    flatten: bool = False  # forward: one software pipeline across vocabulary tiles
-    warp_specialize: bool = False  # forward: Triton's producer / consumer warp split of the tile loop
 
 
 # Hopper-class GPUs, bf16/fp16 (H200, llama3-8b uniform; notes/linear_head.md): forward 128 x 256 x 64 tiles, 8
 # warps, 3 stages (28.2 ms against 34.2 for 128 x 128); dz tiles 128 x 256 (fwd+bwd 134.5 ms against 140.2 for
 # 128 x 128); gradient products 128 x 256 x 64, 4 stages (137.1 against 140.2 for 3 stages). Forward and dz operands
 # through tensor descriptors (v6: no-grad log-probs 1.01-1.07 x one cuBLAS product at three of the four shapes,
-# against 1.24-1.28 x with pointer loads; fwd+bwd 5-8% faster); a flattened tile loop was 30% slower.
+# against 1.24-1.28 x with pointer loads; fwd+bwd 5-8% faster); a flattened tile loop (tl.range(flatten=True)) was
+# 30% slower and is not used.
 _GPU_CONFIG = Config(128, 256, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8, 256, tma=True)
 _GPU_CONFIG_FP32 = Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 # The interpreter: small tiles so that small test shapes still have several partial tiles in every direction.
@@ -833,8 +830,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-        EVEN_K=D % cfg.block_k == 0, **_dot_flags(x), USE_TMA=tma, FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize, EVEN_V=V % cfg.block_v == 0,
+        EVEN_K=D % cfg.block_k == 0, **_dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
