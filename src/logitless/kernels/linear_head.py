@@ -665,9 +665,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _use_tma(cfg: Config, x: torch.Tensor, w: torch.Tensor, perm) -> bool:
-    """Tensor descriptors need Triton's descriptor API, no vocabulary order (the copy engine reads whole blocks of
-    rows, not gathered ones), a unit last stride and 16-byte aligned bases and row strides."""
+    """Tensor descriptors need Triton's descriptor API, a GPU with the copy engine (Hopper or newer; the interpreter
+    emulates it), no vocabulary order (the copy engine reads whole blocks of rows, not gathered ones), a unit last
+    stride and 16-byte aligned bases and row strides."""
     if not cfg.tma or TensorDescriptor is None or perm is not None:
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (x, w))
