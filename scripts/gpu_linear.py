@@ -16,7 +16,7 @@ For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked soft
   products x @ W.T, dz @ W, dz.T @ x (dz a pre-made N x V bf16 tensor) and one product x @ W.T;
 - peak extra memory: torch.cuda.max_memory_allocated() during the call above what was allocated before (inputs),
   minus the returned outputs (the gradients for forward + backward).
---variants times other tile configurations at llama3-8b uniform; --extra runs the int64-offset shapes
+--variants times other tile configurations at the shapes (uniform data; --variants-only: nothing else); --extra runs the int64-offset shapes
 (N*D > 2^31, V*D > 2^31) and the run-to-run bitwise determinism check.
 
 --sparsity (skipping cold tiles in the backward, docs/kernels.md), per shape and data kind, with skipping off
@@ -188,43 +188,48 @@ def time_case(head, reps):
     return r
 
 
-def run_variants(reps):
-    N, D, V = SHAPES["llama3-8b"]
-    head = data.uniform(N, D, V, device="cuda")
+def run_variants(reps, shapes=("llama3-8b",)):
+    """Other tile configurations at each shape (uniform data): the forward alone, and forward + backward."""
     base = lh._GPU_CONFIG
     fwd_variants = {
-        "fwd 128x256x64 w8 s3, dz 128x128 (default)": base,
-        "fwd 128x256x64 w8 s4 g16": base._replace(fwd_stages=4, group=16),
+        "default": base,
+        "group 16": base._replace(group=16),
+        "group 32": base._replace(group=32),
     }
     grad_variants = {
-        "128x256x64 w8 s3 (default)": base,
-        "128x128x64 w8 s3": base._replace(block_d=128),
-        "128x256x64 w8 s4": base._replace(grad_stages=4),
-        "256x128x64 w8 s3": base._replace(block_m=256, block_d=128),
-        "dz 128x256": base._replace(dz_block_v=256),
+        "default": base,
+        "dz 128x128": base._replace(dz_block_v=128),
+        "grads 3 stages": base._replace(grad_stages=3),
+        "grads group 16": base._replace(group=16),
     }
-    x, w, t = head.input, head.weight, head.target
-    xl, wl = leaf(x), leaf(w)
     out = {}
     try:
-        for name, cfg in fwd_variants.items():
-            lh.CONFIG_OVERRIDE = cfg
-            try:
-                with torch.no_grad():
-                    ms = median_ms(lambda: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
-                out["fwd " + name] = ms
-            except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
-                out["fwd " + name] = repr(e)[:120]
-            print(f"  variant fwd {name}: {out['fwd ' + name]}", flush=True)
-        for name, cfg in grad_variants.items():
-            lh.CONFIG_OVERRIDE = cfg
-            try:
-                ms = median_ms(lambda: torch.autograd.grad(
-                    logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), reps)
-                out["fwdbwd " + name] = ms
-            except Exception as e:
-                out["fwdbwd " + name] = repr(e)[:120]
-            print(f"  variant fwdbwd {name}: {out['fwdbwd ' + name]}", flush=True)
+        for shape in shapes:
+            N, D, V = SHAPES[shape]
+            head = data.uniform(N, D, V, device="cuda")
+            x, w, t = head.input, head.weight, head.target
+            xl, wl = leaf(x), leaf(w)
+            for name, cfg in fwd_variants.items():
+                lh.CONFIG_OVERRIDE = cfg
+                key = f"{shape} fwd {name}"
+                try:
+                    with torch.no_grad():
+                        out[key] = median_ms(
+                            lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
+                except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
+                    out[key] = repr(e)[:120]
+                print(f"  variant {key}: {out[key]}", flush=True)
+            for name, cfg in grad_variants.items():
+                lh.CONFIG_OVERRIDE = cfg
+                key = f"{shape} fwdbwd {name}"
+                try:
+                    out[key] = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(
+                        logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), reps)
+                except Exception as e:
+                    out[key] = repr(e)[:120]
+                print(f"  variant {key}: {out[key]}", flush=True)
+            del head, x, w, t, xl, wl
+            torch.cuda.empty_cache()
     finally:
         lh.CONFIG_OVERRIDE = None
     return out
@@ -571,6 +576,7 @@ def main():
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--variants-only", action="store_true", help="only the tile variants at --shapes, then exit")
     ap.add_argument("--fwd-variants", default="", help="forward variants (comma-separated names, or 'all') at "
                     "--shapes, then exit")
     ap.add_argument("--profile", default="", help="comma-separated shapes to profile (kernel times)")
@@ -602,6 +608,13 @@ def main():
           flush=True)
     if a.sparsity:
         run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
+        return
+    if a.variants_only:
+        res = run_variants(a.reps, a.shapes.split(","))
+        kernel_resources()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
         return
     if a.fwd_variants:
         for shape in filter(None, a.profile.split(",")):
@@ -645,7 +658,7 @@ def main():
             traceback.print_exc()
     if a.variants:
         try:
-            results["variants"] = run_variants(a.reps)
+            results["variants"] = run_variants(a.reps, a.shapes.split(","))
         except Exception:
             traceback.print_exc()
     if a.extra:
