@@ -16,7 +16,8 @@ For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked soft
   products x @ W.T, dz @ W, dz.T @ x (dz a pre-made N x V bf16 tensor) and one product x @ W.T;
 - peak extra memory: torch.cuda.max_memory_allocated() during the call above what was allocated before (inputs),
   minus the returned outputs (the gradients for forward + backward).
---variants times other tile configurations at the shapes (uniform data; --variants-only: nothing else); --extra runs the int64-offset shapes
+--variants times other tile configurations at the shapes (uniform data; --variants-only: nothing else);
+--extra runs the int64-offset shapes
 (N*D > 2^31, V*D > 2^31) and the run-to-run bitwise determinism check.
 
 --sparsity (skipping cold tiles in the backward, docs/kernels.md), per shape and data kind, with skipping off
