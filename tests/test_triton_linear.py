@@ -97,6 +97,20 @@ def test_tensor_descriptors(monkeypatch, reduction, smoothing, softcap, bias, cl
     check_log_probs_entropy(x, w, b, t, backend="triton", softcap=softcap)
 
 
+def test_tensor_descriptor_conditions():
+    # Descriptors only where the copy engine can read the operands; pointer loads everywhere else.
+    cfg = lh._config(torch.empty(1, device=DEV))._replace(tma=True)
+    x = torch.randn(9, 48, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(70, 48, dtype=torch.bfloat16, device=DEV)
+    assert lh._use_tma(cfg, x, w, None) or lh.TensorDescriptor is None
+    assert not lh._use_tma(cfg._replace(tma=False), x, w, None)
+    assert not lh._use_tma(cfg, x, w, torch.arange(70, dtype=torch.int32, device=DEV))  # a vocabulary order
+    assert lh._use_tma(cfg, x[:, :45], w[:, :45], None) or lh.TensorDescriptor is None  # 96-byte row strides
+    assert not lh._use_tma(cfg, x[:, :45].contiguous(), w[:, :45].contiguous(), None)  # 90-byte row strides
+    assert not lh._use_tma(cfg, x, w.T.contiguous().T, None)  # no unit last stride
+    assert not lh._use_tma(cfg, x.view(-1)[1:].as_strided((8, 48), (48, 1)), w, None)  # base 2 bytes off
+
+
 @pytest.mark.parametrize("kind", ("lm", "uniform"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_peaked_and_uniform_data(kind, dtype):
