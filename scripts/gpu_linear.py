@@ -303,6 +303,39 @@ def run_fwd_variants(shapes, reps, names=None):
     return out
 
 
+def run_interleaved(shapes, reps):
+    """One cuBLAS product and the no-grad log-probs pass timed alternately (A B A B ...), so that both see the same
+    clocks under the power limit; medians and their ratio per shape (uniform data)."""
+    out = {}
+    for shape in shapes:
+        N, D, V = SHAPES[shape]
+        head = data.uniform(N, D, V, device="cuda")
+        x, w, t = head.input, head.weight, head.target
+        steps = {"mm": lambda x=x, w=w: x @ w.T,
+                 "logp": lambda x=x, w=w, t=t: logitless.linear_log_probs(x, w, t, backend="triton"),
+                 "lce fwd": lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton")}
+        times = {k: [] for k in steps}
+        with torch.no_grad():
+            for fn in steps.values():  # warm-up
+                fn()
+            for _ in range(reps):
+                for k, fn in steps.items():
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    fn()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times[k].append(e0.elapsed_time(e1))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[shape] = med
+        print(f"  interleaved {shape}: mm {med['mm']:.3f} ms, log-probs {med['logp']:.3f} ms "
+              f"({med['logp'] / med['mm']:.3f} x), lce forward {med['lce fwd']:.3f} ms "
+              f"({med['lce fwd'] / med['mm']:.3f} x)", flush=True)
+        del head, x, w, t, steps
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_logp_profile(shape):
     """Kernel times of one no-grad log-probs call (what else than the fused kernel runs)."""
     N, D, V = SHAPES[shape]
@@ -578,6 +611,8 @@ def main():
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--extra", action="store_true")
     ap.add_argument("--variants-only", action="store_true", help="only the tile variants at --shapes, then exit")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="one product and the no-grad passes timed alternately at --shapes, then exit")
     ap.add_argument("--fwd-variants", default="", help="forward variants (comma-separated names, or 'all') at "
                     "--shapes, then exit")
     ap.add_argument("--profile", default="", help="comma-separated shapes to profile (kernel times)")
@@ -609,6 +644,12 @@ def main():
           flush=True)
     if a.sparsity:
         run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
+        return
+    if a.interleaved:
+        res = run_interleaved(a.shapes.split(","), a.reps)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
         return
     if a.variants_only:
         res = run_variants(a.reps, a.shapes.split(","))
