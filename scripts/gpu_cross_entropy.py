@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import logitless
 from logitless.bench import data
 from logitless.bench.check import rel_err as rel
+from logitless.bench.measure import event_ms
 from logitless.kernels import cross_entropy as kce
 
 
@@ -39,12 +40,8 @@ def median_ms(fn, restore, reps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
+        ms, out = event_ms(fn)
+        times.append(ms)
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         del out
     return statistics.median(times), max(peaks)

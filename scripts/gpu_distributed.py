@@ -55,6 +55,7 @@ from logitless import reference  # noqa: E402
 from logitless.bench import data  # noqa: E402
 from logitless.bench.check import rel_err as rel  # noqa: E402
 from logitless.bench.check import rule_line as rule  # noqa: E402
+from logitless.bench.measure import event_ms, peak_extra_mib  # noqa: E402
 
 SHAPES = {
     "llama3-8b": (16384, 4096, 128256),
@@ -245,12 +246,8 @@ def median_ms(fn, reps, warmup=2):
             del out
             continue
         torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
+        ms, out = event_ms(fn)
+        times.append(ms)
         del out
     mine = torch.tensor([statistics.median(times)], device=DEVICE)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
@@ -260,16 +257,7 @@ def median_ms(fn, reps, warmup=2):
 def peak_extra_mb(fn):
     if SMOKE:
         return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    returned = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
-    del out, outs
-    mine = torch.tensor([(peak - base - returned) / 2**20], device=DEVICE)
+    mine = torch.tensor([peak_extra_mib(fn)], device=DEVICE)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return mine.item()
 

@@ -48,6 +48,7 @@ from logitless import reference
 from logitless.bench import data
 from logitless.bench.check import rel_err as rel
 from logitless.bench.check import rule_line as rule
+from logitless.bench.measure import event_ms, peak_extra_mib
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD, class_counts
 
@@ -68,36 +69,12 @@ def median_ms(fn, reps, warmup=2):
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) * 1e3 / reps
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
-        del out
-    return statistics.median(times)
+    return statistics.median(event_ms(fn)[0] for _ in range(reps))
 
 
 def peak_extra_mb(fn):
     """Peak allocation above the current one during fn(), minus what fn returns (tensors or tuples of them)."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    returned = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
-    del out, outs
-    return (peak - base - returned) / 2**20
-
-
-
-
+    return peak_extra_mib(fn) if torch.cuda.is_available() else float("nan")
 
 
 def leaf(t):
@@ -320,12 +297,7 @@ def run_interleaved(shapes, reps):
                 fn()
             for _ in range(reps):
                 for k, fn in steps.items():
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times[k].append(e0.elapsed_time(e1))
+                    times[k].append(event_ms(fn)[0])
         med = {k: statistics.median(v) for k, v in times.items()}
         out[shape] = med
         print(f"  interleaved {shape}: mm {med['mm']:.3f} ms, log-probs {med['logp']:.3f} ms "

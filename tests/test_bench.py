@@ -210,3 +210,12 @@ def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert bench_cli.main([*TINY, "--job", "ce", "--providers", "floor", "--out", str(out)]) == 0
     assert "plots skipped" in capsys.readouterr().out
     assert (out / "results.json").exists() and not (out / "bench_ce.png").exists()
+
+
+@pytest.mark.gpu
+def test_event_ms_and_peak_extra_mib():
+    # The scripts' building blocks: a temporary allocation counts, a returned one does not.
+    ms, out = measure.event_ms(lambda: torch.ones(1 << 20, device="cuda").sum())
+    assert ms > 0 and out.item() == 1 << 20
+    assert measure.peak_extra_mib(lambda: torch.ones(1 << 20, device="cuda").sum()) >= 4.0
+    assert abs(measure.peak_extra_mib(lambda: torch.empty(1 << 20, device="cuda"))) < 0.01

@@ -102,6 +102,34 @@ class TooSlow(Exception):
     pass
 
 
+# Building blocks for ad-hoc GPU scripts (scripts/gpu_*.py), which time single calls rather than Steps.
+
+
+def event_ms(fn):
+    """(milliseconds between CUDA events recorded around fn(), fn's result), after a device synchronisation."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    out = fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1), out
+
+
+def peak_extra_mib(fn, inputs=()) -> float:
+    """Peak CUDA allocation during fn() above the allocation before it, minus what fn returns (a tensor or a tuple /
+    list of them; storage shared with `inputs` is not an output), in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    result = (peak - output_bytes(outs, inputs)) / 2**20
+    del out, outs
+    return result
+
+
 def _run(step: Step):
     out = step.fwd()
     extra = step.bwd(out) if step.bwd is not None else []
