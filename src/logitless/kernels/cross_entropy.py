@@ -138,13 +138,20 @@ def _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w
     """Write dL/dz over a row block's logits, tile by tile, from its (M, log S) and coefficients (A, C, E)."""
     for j in range(0, n_tiles):
         cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-        col_mask = cols < V
-        z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
-        p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
-        dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
-                        HAS_SOFTCAP)
-        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+        _store_grad_tile(logits_ptr, logits_ptr, rows64, cols, row_mask, cols < V, stride_row, stride_row, t, M,
+                         logS, A, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
+
+
+@triton.jit
+def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
+                     A, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
+    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+    tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
+             _cast_out(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -341,13 +348,8 @@ def _ce_bwd_kernel(
             w_sum = V * 1.0
     A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
 
-    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                       INTERPRET)
-    p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
-    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
-                    HAS_SOFTCAP)
-    tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
-             _cast_out(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+    _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
+                     A, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
 
 
 @triton.jit
