@@ -72,6 +72,27 @@ def check_against_truth(fn_ours, fn_naive, x, w, b, t, upstream=None, backend="t
         assert_within_rule(name, go, gt, g64)
 
 
+def check_logsumexp(x, w, b, backend="torch", **kw):
+    """linear_logsumexp (ours on `backend`, PyTorch in the same dtype, float64 truth): value and the gradients of a
+    random upstream, under the error rule. Returns ours."""
+    from logitless import linear_logsumexp, reference
+
+    xo, wo, bo = leaves(x, w, b)
+    ours = linear_logsumexp(xo, wo, linear_bias=bo, backend=backend, **kw)
+    xt, wt, bt = leaves(x, w, b)
+    theirs = reference.naive_linear_logsumexp(xt, wt, linear_bias=bt, upcast=False, **kw)
+    x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
+    truth = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
+    assert ours.dtype == torch.float32 and ours.shape == truth.shape
+    assert_within_rule("logsumexp", ours, theirs, truth)
+    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(x.device)
+    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
+    for name, go, gt, g64 in zip(names, grads(ours, [xo, wo, bo], up), grads(theirs, [xt, wt, bt], up),
+                                 grads(truth, [x64, w64, b64], up), strict=True):
+        assert_within_rule(name, go, gt, g64)
+    return ours
+
+
 def check_log_probs_entropy(x, w, b, t, backend="torch", **kw):
     """linear_log_probs with the entropy (ours on `backend`, PyTorch in the same dtype, float64 truth): values and
     the gradients of a random mix of both outputs, under the error rule. Returns (log_probs, entropy)."""

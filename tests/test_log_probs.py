@@ -7,7 +7,7 @@ import torch
 
 import logitless
 from logitless import reference
-from tests.helpers import DTYPES, assert_within_rule, check_log_probs_entropy, grads, leaves, make_case
+from tests.helpers import DTYPES, check_log_probs_entropy, check_logsumexp, make_case
 
 GRID = list(itertools.product((None, 4.0), (1.0, 0.6), (False, True), (False, True), DTYPES))
 
@@ -24,20 +24,7 @@ def test_log_probs_and_entropy(softcap, temperature, bias, ignore, dtype, scale)
     (None, 4.0), (1.0, 1.7), (False, True), DTYPES)))
 def test_logsumexp(softcap, temperature, bias, dtype):
     x, w, b, _ = make_case(dtype, bias=bias, scale=3.0)
-    kw = dict(softcap=softcap, temperature=temperature)
-    xo, wo, bo = leaves(x, w, b)
-    ours = logitless.linear_logsumexp(xo, wo, linear_bias=bo, backend="torch", **kw)
-    xt, wt, bt = leaves(x, w, b)
-    theirs = reference.naive_linear_logsumexp(xt, wt, linear_bias=bt, upcast=False, **kw)
-    x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
-    truth = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
-    assert ours.dtype == torch.float32
-    assert_within_rule("logsumexp", ours, theirs, truth)
-    up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    names = [n for n, a in zip(("d_input", "d_weight", "d_bias"), (x, w, b), strict=True) if a is not None]
-    for name, go, gt, g64 in zip(names, grads(ours, [xo, wo, bo], up), grads(theirs, [xt, wt, bt], up),
-                                 grads(truth, [x64, w64, b64], up), strict=True):
-        assert_within_rule(name, go, gt, g64)
+    check_logsumexp(x, w, b, softcap=softcap, temperature=temperature)
 
 
 def test_log_probs_shapes_and_return_type():
