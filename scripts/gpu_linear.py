@@ -169,16 +169,16 @@ def time_case(head, reps):
 def run_variants(reps, shapes=("llama3-8b",)):
     """Other tile configurations at each shape (uniform data): the forward alone, and forward + backward."""
     base = lh._GPU_CONFIG
-    fwd_variants = {
-        "default": base,
-        "group 16": base._replace(group=16),
-        "group 32": base._replace(group=32),
-    }
+    fwd_variants = {"default": base}  # (forward group sizes: notes/linear_head.md v6, no change)
+    # name -> (configuration, scratch bytes): a larger scratch widens the first pass's chunks (dz goes there
+    # instead of the dx buffer, at the price of the scratch's memory)
+    scratch = lh.SCRATCH_BYTES
     grad_variants = {
-        "default": base,
-        "dz 128x128": base._replace(dz_block_v=128),
-        "grads 3 stages": base._replace(grad_stages=3),
-        "grads group 16": base._replace(group=16),
+        "default": (base, scratch),
+        "gradient products through pointers": (base._replace(grad_tma=False), scratch),
+        "gradient products 3 stages": (base._replace(grad_stages=3), scratch),
+        "no wide chunks": (base._replace(wide=0), scratch),
+        "default again": (base, scratch),
     }
     out = {}
     try:
@@ -197,19 +197,33 @@ def run_variants(reps, shapes=("llama3-8b",)):
                 except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
                     out[key] = repr(e)[:120]
                 print(f"  variant {key}: {out[key]}", flush=True)
-            for name, cfg in grad_variants.items():
+            ref = None
+            for name, (cfg, nbytes) in grad_variants.items():
                 lh.CONFIG_OVERRIDE = cfg
+                lh.SCRATCH_BYTES = nbytes
                 key = f"{shape} fwdbwd {name}"
+
+                def step(xl=xl, wl=wl, t=t):
+                    return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl))
+
                 try:
-                    out[key] = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(
-                        logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), reps)
+                    grads = step()
+                    if ref is None:
+                        ref = grads
+                    # gradients against the default's, relative to its largest entry (summation order differs)
+                    diff = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                               for g, r in zip(grads, ref))
+                    del grads
+                    out[key] = (median_ms(step, reps), diff)
                 except Exception as e:
                     out[key] = repr(e)[:120]
                 print(f"  variant {key}: {out[key]}", flush=True)
+            del ref
             del head, x, w, t, xl, wl
             torch.cuda.empty_cache()
     finally:
         lh.CONFIG_OVERRIDE = None
+        lh.SCRATCH_BYTES = scratch
     return out
 
 
@@ -624,6 +638,8 @@ def main():
                 json.dump(res, f, indent=1)
         return
     if a.variants_only:
+        for shape in filter(None, a.profile.split(",")):
+            run_profile(shape)
         res = run_variants(a.reps, a.shapes.split(","))
         kernel_resources()
         if a.json:

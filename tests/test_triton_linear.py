@@ -90,7 +90,7 @@ TMA_GRID = [
 @pytest.mark.parametrize("reduction,smoothing,softcap,bias,class_w,dtype,d,v,tma", TMA_GRID)
 def test_tensor_descriptors(monkeypatch, reduction, smoothing, softcap, bias, class_w, dtype, d,
                                                v, tma):
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=tma))
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=tma, grad_tma=tma))
     x, w, b, t = case(dtype, d=d, v=v, bias=bias, ignore_frac=0.25, scale=3.0)
     assert lh._use_tma(lh._config(x), x, w, None) == tma
     cw = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
@@ -176,6 +176,10 @@ WORKSPACES = {
     "alias_both": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2),
     # ... and the second pass splits the token reduction (few dW tiles, many SMs): float32 partials + sum kernel.
     "alias_split_k": (torch.bfloat16, 140, 64, 300, 120, "xw", 16),
+    # ... and the first pass splits the token reduction of its few dW tiles next to the dx tiles (small D, many SMs).
+    "first_pass_split": (torch.bfloat16, 200, 40, 500, 32, "xwb", 16),
+    # ... and wide first-pass chunks (128, then 64 classes) put their dz into dW rows after them, then chunks of D.
+    "wide_chunks": (torch.bfloat16, 100, 40, 1500, 32, "xwb", 2),
     # float32: dx accumulates in place; dz goes to the scratch, several chunks.
     "fp32_in_place": (torch.float32, 37, 45, 300, 64, "xwb", 2),
     # frozen head: dx only, its float32 accumulator is allocated.
@@ -188,11 +192,18 @@ WORKSPACES = {
 }
 
 
+@pytest.mark.parametrize("grad_tma", [False, True])
 @pytest.mark.parametrize("name", list(WORKSPACES))
-def test_backward_workspaces(name, monkeypatch):
+def test_backward_workspaces(name, grad_tma, monkeypatch):
+    # (grad_tma: the gradient products read dz, x and W through descriptors where the workspace is aligned)
     dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(grad_tma=grad_tma))
+    split_expected = name == "first_pass_split"
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
+    chosen = []
+    balanced = lh._balanced_split
+    monkeypatch.setattr(lh, "_balanced_split", lambda *a: chosen.append(balanced(*a)) or chosen[-1])
     x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
@@ -208,6 +219,17 @@ def test_backward_workspaces(name, monkeypatch):
     for name, go, gt, g64 in zip([f"d_{k}" for k in needs], grads(ours, ours_in), grads(theirs, theirs_in),
                                  grads(truth, t64_in), strict=True):
         assert_within_rule(name, go, gt, g64)
+    if split_expected:
+        assert any(k < n for k in chosen), chosen
+
+
+def test_balanced_split():
+    # One program per SM, dW tiles first: few long dW tiles next to many short dx tiles are split; many dW tiles
+    # (large D) are not. (qwen3-small's and llama3-8b's first-pass launches on 132 SMs.)
+    assert lh._balanced_split(16384, 32, 512, 16, 132, 64, 64, 2) == 8192
+    assert lh._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 1) == 16384
+    assert lh._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 4) == 16384
+    assert lh._balanced_split(16384, 32, 512, 16, 132, 64, 64, 1) == 16384  # no room for partials
 
 
 def test_single_token_all_ignored_and_empty():
@@ -436,6 +458,7 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 @pytest.mark.parametrize("name", ["alias_both", "alias_split_k", "dx_only", "dw_only", "small_vocab"])
 def test_skip_workspaces(name, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
+    split_expected = name == "first_pass_split"
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
@@ -553,3 +576,34 @@ def test_gpu_auto_picks_triton():
     assert resolve_backend("auto", x.device, "linear_cross_entropy") == "triton"
     assert resolve_backend("auto", x.device, "linear_log_probs") == "triton"
     assert resolve_backend("auto", x.device, "linear_logsumexp") == "triton"
+
+
+@pytest.mark.parametrize("n,d,v,wide,expect", [
+    (100, 40, 1500, 160, (True, True)), (16384, 1024, 151936, 4096, (True, True)),
+    (8192, 2304, 256000, 4096, (True, True)), (16384, 4096, 128256, 4096, (False, False)),
+    (37, 130, 300, 160, (False, False)), (300, 40, 500, 160, (True, False)), (100, 40, 1500, 0, (False, False))])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_first_pass_chunks(n, d, v, wide, expect, aligned):
+    # Every class once; a chunk's dz borrowed from dW lies in rows not written yet and not the accumulator's.
+    cfg = lh._GPU_CONFIG._replace(wide=wide) if n > 1000 else lh._INTERPRETER_CONFIG._replace(wide=wide)
+    start, dw_end = lh._acc_region(n, v, d, cfg, aligned) if v * d >= 2 * n * d + 8 else (v * d, v)
+    chunk = lh._round_chunk(d, cfg.block_v, aligned)
+    plan = lh._Plan(None, chunk, None, dw_end, True, start)
+    chunks = lh._first_pass(n, v, d, cfg, plan, aligned, True)
+    written = []  # dW row ranges written so far (the first pass writes its chunks' rows below dw_end)
+    seen = []
+    for v0, v1, dz_at in chunks:
+        assert v0 < v1 and (v1 <= dw_end or v0 >= dw_end)
+        if aligned:
+            assert v0 % cfg.block_v == 0
+        mine = (v0, min(v1, dw_end))
+        if dz_at is not None:
+            assert v1 - v0 > chunk or v1 in (dw_end, v)  # wider than the plan's chunk, unless cut at an end
+            lo, hi = dz_at, dz_at + n * (v1 - v0)
+            assert 0 <= lo and hi <= start
+            assert not any(a * d < hi and b * d > lo for a, b in written + [mine] if a < b)
+        written.append(mine)
+        seen.append((v0, v1))
+    assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == v
+    assert all(a[1] == b[0] for a, b in zip(sorted(seen), sorted(seen)[1:]))
+    assert any(dz_at is not None for *_, dz_at in chunks) == expect[aligned]

@@ -415,12 +415,12 @@ def _dz_kernel(
 
 @triton.jit
 def _dw_tile(
-    tile, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_ptr, pre_ptr,
+    tile, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_ptr, pre_ptr, dzt_desc, x_desc,
     N, D, n_vrows, k_per_split, n_out_tiles, n_blocks, tile0,
     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
     EVEN_K: tl.constexpr, SCATTER: tl.constexpr, SKIP: tl.constexpr, MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     ks = tile // n_out_tiles  # split of the token (reduction) dimension; partials go to slice ks of dw_ptr
     pid_m, pid_d = _grouped(tile % n_out_tiles, tl.cdiv(n_vrows, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
@@ -453,7 +453,18 @@ def _dw_tile(
                 b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
                             mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if dense:
+    if USE_TMA:
+        # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no skipping, no order):
+        # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
+        # never reads into the next split.
+        m0 = (pid_m * BLOCK_M).to(tl.int32)
+        d0 = (pid_d * BLOCK_D).to(tl.int32)
+        k0 = k_lo.to(tl.int32)
+        for k in range(0, tl.cdiv((k_hi - k_lo).to(tl.int32), BLOCK_K)):
+            a = dzt_desc.load([k0 + k * BLOCK_K, m0])
+            b = x_desc.load([k0 + k * BLOCK_K, d0])
+            acc = _mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
+    elif dense:
         # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
         # the loads vectorised, where clamped indices would not.
         a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
@@ -479,13 +490,13 @@ def _dw_tile(
 
 @triton.jit
 def _dx_tile(
-    tile, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_ptr, pre_ptr,
+    tile, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_ptr, pre_ptr, dz_desc, w_desc,
     N, D, n_vrows, n_vtiles, tile0, tile1,
     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd,
     ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m, pid_d = _grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
     row0 = pid_m.to(tl.int64) * BLOCK_M
@@ -522,7 +533,16 @@ def _dx_tile(
                 b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
                             mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if dense:
+    if USE_TMA:
+        # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
+        # past N, the chunk or D are zeros.
+        r0 = row0.to(tl.int32)
+        d0 = (pid_d * BLOCK_D).to(tl.int32)
+        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            a = dz_desc.load([r0, k * BLOCK_K])
+            b = w_desc.load([k * BLOCK_K, d0])
+            acc = _mma(a, b, acc, DOT_PRECISION, UPCAST)
+    elif dense:
         a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
         b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
         for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
@@ -552,6 +572,9 @@ def _dgrad_kernel(
     # pointers (dz_ptr, and dw_ptr unless SCATTER, at the chunk's first column / output row; w_ptr at the chunk's
     # first row, or at W itself with a perm; perm_ptr at the chunk's first position)
     dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, list_v_ptr, pre_v_ptr,
+    # tensor descriptors (USE_TMA): dz by [BLOCK_K, BLOCK_M] and [BLOCK_M, BLOCK_K], x and W[chunk] by
+    # [BLOCK_K, BLOCK_D]
+    dzt_desc, dz_desc, x_desc, w_desc,
     # sizes
     N, D, n_vrows, n_dw_tiles, k_per_split, n_dw_out_tiles, n_blocks, n_vtiles, tile0, tile1,
     # strides
@@ -562,33 +585,34 @@ def _dgrad_kernel(
     DX_EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, DW_SCATTER: tl.constexpr, SKIP: tl.constexpr,
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
     # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
     pid = tl.program_id(0)
     if DO_DW and DO_DX:
         if pid < n_dw_tiles:
-            _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr,
+            _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                      N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
                      stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
                      DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION,
-                     UPCAST)
+                     UPCAST, USE_TMA)
         else:
-            _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr,
+            _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                      N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
     elif DO_DW:
-        _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr,
+        _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                  N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
                  stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
-                 DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+                 DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST,
+                 USE_TMA)
     else:
-        _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr,
+        _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                  N, D, n_vrows, n_vtiles, tile0, tile1,
                  stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST)
+                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
 
 
 @triton.jit
@@ -628,6 +652,9 @@ class Config(NamedTuple):
     waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
     dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
     tma: bool = False  # forward / dz operands through tensor descriptors (the copy engine) where possible
+    balance: bool = True  # split the dW reduction when a chunk's few long dW tiles would idle most of the GPU
+    wide: int = 4096  # first-pass chunks up to this many classes while their dz fits in unwritten dW rows
+    grad_tma: bool = False  # gradient products' operands through tensor descriptors where possible
 
 
 # Hopper-class GPUs, bf16/fp16 (H200, llama3-8b uniform; notes/linear_head.md): forward 128 x 256 x 64 tiles, 8
@@ -636,10 +663,10 @@ class Config(NamedTuple):
 # through tensor descriptors (v6: no-grad log-probs 1.01-1.07 x one cuBLAS product at three of the four shapes,
 # against 1.24-1.28 x with pointer loads, each in its own timing loop; fwd+bwd 5-8% faster); a flattened tile loop
 # (tl.range(flatten=True)) was 30% slower and is not used.
-_GPU_CONFIG = Config(128, 256, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8, 256, tma=True)
+_GPU_CONFIG = Config(128, 256, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8, 256, tma=True, grad_tma=True)
 _GPU_CONFIG_FP32 = Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 # The interpreter: small tiles so that small test shapes still have several partial tiles in every direction.
-_INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4, 64)
+_INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4, 64, wide=160)
 # Tests and the GPU script may set this to try other tiles.
 CONFIG_OVERRIDE: Config | None = None
 
@@ -668,12 +695,17 @@ def _use_tma(cfg: Config, x: torch.Tensor, w: torch.Tensor, perm) -> bool:
     """Tensor descriptors need Triton's descriptor API, a GPU with the copy engine (Hopper or newer; the interpreter
     emulates it), no vocabulary order (the copy engine reads whole blocks of rows, not gathered ones), a unit last
     stride and 16-byte aligned bases and row strides."""
-    if not cfg.tma or TensorDescriptor is None or perm is not None:
+    return cfg.tma and perm is None and _tma_ok(x, w)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    # The descriptor API, the copy engine, and 2-D operands it can address (see _use_tma).
+    if TensorDescriptor is None:
         return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+    if tensors[0].device.type == "cuda" and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (x, w))
+               for t in tensors)
 
 
 def _operands(x, w, use_tma: bool, block_n: int, block_v: int, block_k: int):
@@ -849,10 +881,28 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
 
 class _Plan(NamedTuple):
     dz_main: torch.Tensor | None  # (N, chunk) workspace of dL/dz for the first pass, or None: use the scratch
-    chunk: int  # classes per chunk in the first pass
+    chunk: int  # classes per chunk in the first pass (unless a wider one fits in dW, _first_pass)
     dx_acc: torch.Tensor | None  # (N, D) float32 accumulator of dx
     dw_end: int  # the first pass writes dW rows [0, dw_end); rows [dw_end, V) hold dx_acc until it is done
     cast_dx: bool  # dx_acc is not dx itself: copy it into dx at the end
+    dw_free: int  # dW elements [0, dw_free) are not the dx accumulator's: a chunk's dz may borrow those after it
+
+
+def _balanced_split(N: int, n_out: int, n_dx: int, dx_steps: int, sms: int, unit: int, block_k: int,
+                    max_splits: int) -> int:
+    """Tokens per split of the dW reduction for a gradient-products launch of n_out dW tiles (N tokens each) and
+    n_dx dx tiles (dx_steps reduction steps each), one program per multiprocessor, dW tiles first. The estimated
+    makespan, in reduction steps, is the longer of the dW tiles' waves and the even share of all the work; a split
+    count is taken only when it shortens that by more than 3% (it costs a float32 partial per split and a sum)."""
+    best_k, best = N, None
+    for s in range(1, max(1, max_splits) + 1):
+        k = triton.cdiv(triton.cdiv(N, s), unit) * unit
+        n_dw = n_out * triton.cdiv(N, k)
+        steps = triton.cdiv(k, block_k)
+        span = max(triton.cdiv(n_dw, sms) * steps, (n_dw * steps + n_dx * dx_steps) / sms + dx_steps)
+        if best is None or span < 0.97 * best:
+            best_k, best = k, span
+    return best_k
 
 
 def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
@@ -894,9 +944,9 @@ def _plan(x, dx, dw, N, V, D, cfg, aligned) -> _Plan:
     wanted in bfloat16/float16 and V >= 2N (the usual LM head), or for float32 inputs."""
     scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned)
     if dx is None:  # weight (and/or bias) gradient only
-        return _Plan(None, scratch_cols, None, V, False)
+        return _Plan(None, scratch_cols, None, V, False, V * D if dw is not None else 0)
     if x.dtype == torch.float32:  # dx is float32: accumulate in place
-        return _Plan(None, scratch_cols, dx, V, False)
+        return _Plan(None, scratch_cols, dx, V, False, V * D if dw is not None else 0)
     # dx (bf16/fp16) is not written until the end: it holds dL/dz of a chunk of D classes meanwhile.
     chunk = _round_chunk(D, cfg.block_v, aligned)
     dz_main = dx.view(-1)[: N * chunk].view(N, chunk) if scratch_cols <= chunk <= D else None
@@ -907,8 +957,36 @@ def _plan(x, dx, dw, N, V, D, cfg, aligned) -> _Plan:
         # are computed after dx is final.
         start, dw_end = _acc_region(N, V, D, cfg, aligned)
         dx_acc = dw.view(-1)[start: start + 2 * N * D].view(torch.float32).view(N, D)
-        return _Plan(dz_main, chunk, dx_acc, dw_end, True)
-    return _Plan(dz_main, chunk, _new((N, D), device=x.device, dtype=torch.float32), V, True)
+        return _Plan(dz_main, chunk, dx_acc, dw_end, True, start)
+    return _Plan(dz_main, chunk, _new((N, D), device=x.device, dtype=torch.float32), V, True,
+                 V * D if dw is not None else 0)
+
+
+def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool, wide_ok: bool) -> list:
+    """(v0, v1, dz_at) chunks of the first pass, in order; dz_at is the element offset in dW of the chunk's dz, or
+    None (the plan's dz_main or the scratch). Each gradient-products launch re-reads and re-writes the float32 dx
+    accumulator (8 N D bytes) and has few dW tiles when D is small, so wider chunks are cheaper: a chunk of up to
+    cfg.wide classes puts its dz into dW rows that are not written yet and are not the accumulator's. The rows the
+    first pass leaves to the second ([dw_end, V), dx only) go first, their dz at the start of dW; then [0, dw_end)
+    in order, each chunk's dz in the rows after it while v1 D + N c <= dw_free."""
+    def chunk(v0, v_end, fits):
+        c = _round_chunk(min(fits, cfg.wide), cfg.block_v, aligned) if wide_ok else 0
+        if plan.chunk < c <= fits:
+            return min(v0 + c, v_end), True
+        return min(v0 + plan.chunk, v_end), False
+
+    chunks = []
+    for lo, hi in ((plan.dw_end, V), (0, plan.dw_end)):
+        v0 = lo
+        while v0 < hi:
+            if lo:  # the rows left to the second pass: dz in dW rows [0, N c / D)
+                v1, wide = chunk(v0, hi, min(plan.dw_free, plan.dw_end * D) // N)
+                chunks.append((v0, v1, 0 if wide else None))
+            else:
+                v1, wide = chunk(v0, hi, (plan.dw_free - v0 * D) // (N + D))
+                chunks.append((v0, v1, v1 * D if wide else None))
+            v0 = v1
+    return chunks
 
 
 def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
@@ -985,8 +1063,19 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if not (do_dw or do_dx):
             return
         n_out = triton.cdiv(rows, cfg.block_m) * triton.cdiv(D, cfg.block_d)
+        n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
         splits, k_per_split, part = 1, N, None
-        if do_dw and not do_dx and n_out < sms and scratch_free:
+        if do_dw and do_dx and scratch_free and cfg.balance:
+            # A few dW tiles, each reducing over all N tokens, next to many short dx tiles (small D): the dW tiles
+            # would set the kernel's time while most multiprocessors idle. Split their reduction (float32 partials
+            # in the scratch, summed in a fixed order) as far as it shortens the estimated makespan.
+            unit = cfg.block_n if skip else cfg.block_kg
+            k_per_split = _balanced_split(N, n_out, n_dx_tiles, triton.cdiv(rows, cfg.block_kg), sms, unit,
+                                          cfg.block_kg, SCRATCH_BYTES // (4 * rows * D))
+            splits = triton.cdiv(N, k_per_split)
+            if splits > 1:
+                part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
+        elif do_dw and not do_dx and n_out < sms and scratch_free:
             # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch,
             # summed in a fixed order by a second kernel. Skipping, the splits are made of whole token blocks.
             splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), SCRATCH_BYTES // (4 * rows * D)))
@@ -1003,10 +1092,16 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         else:
             dw_out = dw if scatter else dw[v0:v1]
         n_dw_tiles = n_out * splits if do_dw else 0
-        n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
+        wv = w if has_perm else w[v0:v1]
+        descs = (dummy,) * 4
+        use_tma = cfg.grad_tma and not (skip or has_perm) and _tma_ok(dz, x, wv)
+        if use_tma:
+            kg, bm, bd = cfg.block_kg, cfg.block_m, cfg.block_d
+            descs = (TensorDescriptor.from_tensor(dz, [kg, bm]), TensorDescriptor.from_tensor(dz, [bm, kg]),
+                     TensorDescriptor.from_tensor(x, [kg, bd]), TensorDescriptor.from_tensor(wv, [kg, bd]))
         _dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
-            dz, x, w if has_perm else w[v0:v1], dw_out, dx_acc if do_dx else dummy,
-            perm[v0:] if has_perm else dummy, *lists,
+            dz, x, wv, dw_out, dx_acc if do_dx else dummy,
+            perm[v0:] if has_perm else dummy, *lists, *descs,
             N, D, rows, n_dw_tiles, k_per_split, n_out, n_blocks, n_vtiles, v0 // cfg.block_v,
             triton.cdiv(v1, cfg.block_v),
             dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
@@ -1017,7 +1112,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             DW_EVEN_K=N % cfg.block_kg == 0 and k_per_split % cfg.block_kg == 0,
             DX_EVEN_K=rows % cfg.block_kg == 0, HAS_PERM=has_perm, DW_SCATTER=scatter, SKIP=skip,
             MAP_N=cfg.block_n, MAP_V=cfg.block_v,
-            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **dot,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **dot, USE_TMA=use_tma,
             num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
         if part is not None:
@@ -1029,19 +1124,18 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     need_dz = need_dx or need_dw
     # First pass: every class once; dW rows below plan.dw_end, dx accumulated over all chunks.
     first = True
-    for v0 in range(0, V, plan.chunk):
-        v1 = min(v0 + plan.chunk, V)
-        pieces = [(v0, v1)]
-        if v0 < plan.dw_end < v1:
-            pieces = [(v0, plan.dw_end), (plan.dw_end, v1)]
-        for p0, p1 in pieces:
-            dz = None
-            if need_dz:
-                dz = plan.dz_main[:, : p1 - p0] if plan.dz_main is not None else scratch_view((N, p1 - p0), x.dtype)
-            dz_pass(p0, p1, dz, need_db)
-            if need_dz:
-                grad_pass(p0, p1, dz, need_dw and p1 <= plan.dw_end, plan.dx_acc, not first, False)
-                first = False
+    # (A vocabulary order gets no wide chunks: its dW rows are scattered over the first pass's range.)
+    for v0, v1, dz_at in _first_pass(N, V, D, cfg, plan, aligned, need_dz and not has_perm):
+        dz = None
+        if dz_at is not None:
+            dz = dw.view(-1)[dz_at: dz_at + N * (v1 - v0)].view(N, v1 - v0)
+        elif need_dz:
+            dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else scratch_view((N, v1 - v0), x.dtype)
+        dz_pass(v0, v1, dz, need_db)
+        if need_dz:
+            grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
+                      dz_at is not None or plan.dz_main is not None)
+            first = False
     if need_dx and plan.cast_dx:
         dx.copy_(plan.dx_acc)
     # Second pass: the dW rows that held the dx accumulator.
