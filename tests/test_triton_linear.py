@@ -454,18 +454,23 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 
 
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
-# through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans.
-@pytest.mark.parametrize("name", ["alias_both", "alias_split_k", "dx_only", "dw_only", "small_vocab"])
-def test_skip_workspaces(name, monkeypatch, small_tiles):
+# through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
+# and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
+@pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
+                                        ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none")])
+def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
-    split_expected = name == "first_pass_split"
+    wide = []
+    first_pass = lh._first_pass
+    monkeypatch.setattr(lh, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
     plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
-                          vocab_order="batch")
+                          vocab_order=order)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
+    assert any(dz_at is not None for chunks in wide for *_, dz_at in chunks) == (order == "none")
 
 
 def test_skip_log_probs(monkeypatch, small_tiles):
