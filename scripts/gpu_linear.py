@@ -212,7 +212,7 @@ def run_variants(reps, shapes=("llama3-8b",)):
                         ref = grads
                     # gradients against the default's, relative to its largest entry (summation order differs)
                     diff = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                               for g, r in zip(grads, ref))
+                               for g, r in zip(grads, ref, strict=True))
                     del grads
                     out[key] = (median_ms(step, reps), diff)
                 except Exception as e:

@@ -6,6 +6,7 @@ Every test runs with outputs and workspaces poisoned with NaN, so an element tha
 """
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -609,6 +610,7 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
             assert not any(a * d < hi and b * d > lo for a, b in written + [mine] if a < b)
         written.append(mine)
         seen.append((v0, v1))
-    assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == v
-    assert all(a[1] == b[0] for a, b in zip(sorted(seen), sorted(seen)[1:]))
+    seen.sort()
+    assert seen[0][0] == 0 and seen[-1][1] == v
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(seen))
     assert any(dz_at is not None for *_, dz_at in chunks) == expect[aligned]
