@@ -588,6 +588,12 @@ def run_sparsity(shapes, kinds, reps, check_rows, device="cuda"):
     print("failures:", failures or "none")
 
 
+def write_json(res, path):
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -632,30 +638,20 @@ def main():
         run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
         return
     if a.interleaved:
-        res = run_interleaved(a.shapes.split(","), a.reps)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return write_json(run_interleaved(a.shapes.split(","), a.reps), a.json)
     if a.variants_only:
         for shape in filter(None, a.profile.split(",")):
             run_profile(shape)
         res = run_variants(a.reps, a.shapes.split(","))
         kernel_resources()
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return write_json(res, a.json)
     if a.fwd_variants:
         for shape in filter(None, a.profile.split(",")):
             run_logp_profile(shape)
         names = None if a.fwd_variants == "all" else a.fwd_variants.split(",")
         res = run_fwd_variants(a.shapes.split(","), a.reps, names)
         kernel_resources()
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return write_json(res, a.json)
     results = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__, "cases": {}}
     failures = []
     for shape in a.shapes.split(","):
@@ -698,9 +694,7 @@ def main():
             traceback.print_exc()
             failures.append("extra crashed")
     results["failures"] = failures
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, a.json)
     print("\n| shape | data | fwd ms (x mm) | logp ms (x mm) | fwd+bwd ms (x floor) | floor ms | mm ms "
           "| peak MB fwd / logp / fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|")

@@ -102,14 +102,19 @@ def _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT
 
 
 @triton.jit
-def _row_coef(g, lse, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """(A, C, E) of dL/dz_j = p_j A - C [j == t] - E w_j; g is 0 on ignored rows."""
+def _row_coef(g, lse, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+              HAS_ZLOSS: tl.constexpr):
+    """(A, C, E) of dL/dz_j = p_j A - C [j == t] - E w_j; g is 0 on ignored rows. w_sum_ptr: the class weights'
+    sum (read with HAS_WEIGHT and HAS_SMOOTHING; V without class weights)."""
     C = g * (1.0 - eps) * w_t
     A = C
     E = g * 0.0
     if HAS_SMOOTHING:
         E = g * (eps / V)
-        A += E * w_sum
+        if HAS_WEIGHT:
+            A += E * tl.load(w_sum_ptr)
+        else:
+            A += E * (V * 1.0)
     if HAS_ZLOSS:
         A += g * (2.0 * z_loss) * lse
     return A, C, E
@@ -187,13 +192,7 @@ def _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SC
     g = tl.where(valid, 1.0, 0.0)
     if HAS_SCALE:
         g = tl.where(valid, tl.load(scale_ptr), 0.0)  # 1 / 0 = inf when every row is ignored: never multiplied
-    w_sum = 0.0
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w_sum = tl.load(w_sum_ptr)
-        else:
-            w_sum = V * 1.0
-    return _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+    return _row_coef(g, M + logS, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
 
 
 @triton.jit
@@ -340,13 +339,7 @@ def _ce_bwd_kernel(
         g = tl.where(valid, g * tl.load(scale_ptr), 0.0)
     M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0)
     logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0)
-    w_sum = 0.0
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w_sum = tl.load(w_sum_ptr)
-        else:
-            w_sum = V * 1.0
-    A, C, E = _row_coef(g, M + logS, w_t, w_sum, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+    A, C, E = _row_coef(g, M + logS, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
 
     _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
                      A, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
