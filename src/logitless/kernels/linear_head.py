@@ -86,6 +86,13 @@ def _tanh(y):
 
 
 @triton.jit
+def _exp(x):
+    # e^x as 2^(x log2 e): Triton's exp adds a range test and two multiplies per element to return subnormal
+    # results (below 2^-126); exp2 flushes those to zero, which no float32 sum or gradient here can resolve anyway.
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # UPCAST (the interpreter, bfloat16): its bfloat16 dot is wrong in some Triton versions; bf16 products are exact
     # in float32.
@@ -188,6 +195,37 @@ def _grouped(tile, n_rows, n_cols, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
+               MASKED: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+               HAS_ENTROPY: tl.constexpr):
+    """Folds a tile of logits z [BLOCK_N, BLOCK_V] into its rows' running statistics (see _fwd_kernel): max m, sum
+    of exponentials s relative to m, entropy sum ent, smoothing sum sw, class-weight sum wsum. MASKED: columns
+    where col_ok is false are past the vocabulary and do not count. Returns (m, s, ent, sw, wsum) updated and the
+    tile's own sum of exponentials (relative to the new m)."""
+    if MASKED:
+        m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
+    else:
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+    alpha = _exp(m - m_new)
+    d = z - m_new[:, None]
+    e = _exp(d)
+    if MASKED:
+        e = tl.where(col_ok[None, :], e, 0.0)
+    if HAS_ENTROPY:
+        ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
+    e_sum = tl.sum(e, axis=1)
+    s = s * alpha + e_sum
+    if HAS_SMOOTH:
+        if HAS_CLASS_WEIGHT:
+            cw = tl.load(cw_ptr + cls, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            cw = col_ok.to(tl.float32)
+        sw = sw - wsum * (m_new - m) + tl.sum(cw[None, :] * d, axis=1)
+        wsum += tl.sum(cw, axis=0)
+    return m_new, s, ent, sw, wsum, e_sum
+
+
+@triton.jit
 def _fwd_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
@@ -219,7 +257,7 @@ def _fwd_kernel(
     zt = tl.zeros((BLOCK_N,), tl.float32)
     sw = tl.zeros((BLOCK_N,), tl.float32)  # sum w_j (z_j - m), kept relative to the running max
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
-    wsum = 0.0  # sum of the class weights seen so far (the same for every row)
+    wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
@@ -230,22 +268,17 @@ def _fwd_kernel(
         acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
                            HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
         z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
-        # [BLOCK_N, BLOCK_V]; classes past V hold finite values (zero weights read) and are masked below, unless
-        # every tile is whole (EVEN_V): the epilogue is on the critical path, so no per-element selects there.
+        # Classes past V (only in the last tile unless EVEN_V) hold finite values and must not count: the masked
+        # fold runs on that tile alone, since the epilogue is on the critical path.
         if EVEN_V:
-            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
+                                                        HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+        elif col0 + BLOCK_V <= V:
+            m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
+                                                        HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
         else:
-            m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
-        alpha = tl.exp(m - m_new)
-        d = z - m_new[:, None]
-        if EVEN_V:
-            e = tl.exp(d)
-        else:
-            e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
-        if HAS_ENTROPY:
-            ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
-        e_sum = tl.sum(e, axis=1)
-        s = s * alpha + e_sum
+            m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
+                                                        HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
         if RECORD_TILES:
             # The tile's log-sum-exp per row (exact: m_new + log of its own sum), maxed over the block's rows. A
             # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
@@ -256,17 +289,12 @@ def _fwd_kernel(
             if HAS_PERM:
                 zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
             else:
-                # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
                 inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, V))
-                rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
-                zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
-        if HAS_SMOOTH:
-            if HAS_CLASS_WEIGHT:
-                cw = tl.load(cw_ptr + cls, mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                cw = col_ok.to(tl.float32)
-            sw = sw - wsum * (m_new - m) + tl.sum(cw[None, :] * d, axis=1)
-            wsum += tl.sum(cw, axis=0)
+                # Most tiles hold none of the block's targets: the per-element select runs only where one does.
+                if tl.max(inside.to(tl.int32), axis=0) > 0:
+                    # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
+                    rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
+                    zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
         m = m_new
         col0 += BLOCK_V
     out = split.to(tl.int64) * N + rows
@@ -307,7 +335,7 @@ def _combine_kernel(
     for sp in range(0, n_splits):
         mi = tl.load(m_in + off, mask=ok, other=-1e30)
         si = tl.load(s_in + off, mask=ok, other=0.0)
-        sc = tl.exp(mi - big_m)
+        sc = _exp(mi - big_m)
         big_s += si * sc
         if HAS_TARGET:
             zt += tl.load(zt_in + off, mask=ok, other=0.0)
@@ -376,9 +404,10 @@ def _dz_kernel(
     z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     rows_in = tl.minimum(rows, N - 1)  # rows past N repeat the last one (finite values); never stored
     m = tl.load(m_ptr + rows_in)
-    logs = tl.load(logs_ptr + rows_in)
+    logs2 = tl.load(logs_ptr + rows_in) * 1.4426950408889634
     a = tl.load(a_ptr + rows_in)
-    p = tl.exp((z - m[:, None]) - logs[:, None])
+    # p = exp((z - m) - log S) as 2^((z - m) log2 e - log2 S): z - m stays exact, one multiply-add per element.
+    p = tl.exp2((z - m[:, None]) * 1.4426950408889634 - logs2[:, None])
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
         g = p * (a[:, None] + bc[:, None] * (z - m[:, None]))  # B multiplies z - m: no cancellation at |z|~1e4
@@ -387,7 +416,14 @@ def _dz_kernel(
     if HAS_C:
         tgt = tl.load(t_ptr + rows_in)
         c = tl.load(c_ptr + rows_in)
-        g = g - tl.where(cls[None, :] == tgt[:, None], c[:, None], 0.0)
+        if HAS_PERM:
+            g = g - tl.where(cls[None, :] == tgt[:, None], c[:, None], 0.0)
+        else:
+            inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, v_end))
+            # Most tiles hold none of the block's targets: the per-element select runs only where one does.
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                rel = tl.where(inside, tgt - col0, -1).to(tl.int32)  # the target's offset in the tile, or -1
+                g = g - tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], c[:, None], 0.0)
     if HAS_E:
         e = tl.load(e_ptr + rows_in)
         if HAS_CLASS_WEIGHT:
@@ -401,12 +437,19 @@ def _dz_kernel(
         u = zc / softcap
         g = g * (1.0 - u * u)
     ok = row_ok[:, None] & col_ok[None, :]
-    g = tl.where(ok, g, 0.0)  # [BLOCK_N, BLOCK_V]
     if STORE_DZ:
-        tl.store(dz_ptr + rows[:, None] * stride_dz + lcols[None, :], _cast(g, dz_ptr.dtype.element_ty, UPCAST),
-                 mask=ok)
+        # int32 offsets inside the tile (BLOCK_N rows of at most 2^16 chunk columns); a whole tile is stored
+        # without a mask (the epilogue is on the critical path).
+        dz_tile = dz_ptr + (row0 * stride_dz + lcol0)
+        offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
+        out = _cast(g, dz_ptr.dtype.element_ty, UPCAST)
+        if (row0 + BLOCK_N <= N) & (col0 + BLOCK_V <= v_end):
+            tl.store(dz_tile + offs, out)
+        else:
+            tl.store(dz_tile + offs, out, mask=ok)
     if HAS_DB:
-        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(g, axis=0), mask=col_ok)
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(tl.where(ok, g, 0.0), axis=0),
+                 mask=col_ok)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""A/B timing of two versions of the linear-head kernels on a CUDA device, interleaved so that both see the same clocks.
+
+    git show REV:src/logitless/kernels/linear_head.py > old_linear_head.py
+    PYTHONPATH=src python scripts/gpu_ab.py --old old_linear_head.py [--shapes gemma2-2b,...] [--rounds 6] [--reps 5]
+        [--json FILE]
+
+"A" is the file given by --old (another version of src/logitless/kernels/linear_head.py), "B" the package's own.
+The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
+different clocks (notes/linear_head.md, v6); here each round times A then B, or B then A (the order alternates),
+at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad log-probs, the
+forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight). Each entry is the
+median over rounds of a median of --reps calls. Before timing, B's loss, log-probs and gradients are compared with A's
+(largest difference relative to A's largest entry; the two may sum in different orders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+
+import torch
+import triton
+
+import logitless
+import logitless.kernels
+from logitless.bench import data
+from logitless.bench.measure import event_ms
+
+SHAPES = {
+    "gemma2-2b": (8192, 2304, 256000),
+    "llama3-8b": (16384, 4096, 128256),
+    "mistral-nemo": (8192, 5120, 131072),
+    "qwen3-small": (16384, 1024, 151936),
+}
+MODULE = "logitless.kernels.linear_head"
+
+
+def load_old(path: str):
+    # Loaded as a sibling module of the package's kernels, so that its relative imports resolve.
+    spec = importlib.util.spec_from_file_location("logitless.kernels.linear_head_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def use(mod) -> None:
+    # The public functions import the launchers through the package on every call (linear_cross_entropy._kernels).
+    sys.modules[MODULE] = mod
+    logitless.kernels.linear_head = mod
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()  # warm-up (and, the first time, compilation)
+    return statistics.median(event_ms(fn)[0] for _ in range(reps))
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+
+
+def run_shape(shape: str, versions: dict, rounds: int, reps: int) -> dict:
+    N, D, V = SHAPES[shape]
+    head = data.uniform(N, D, V, device="cuda")
+    x, w, t = head.input, head.weight, head.target
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def logp():
+        with torch.no_grad():
+            return logitless.linear_log_probs(x, w, t, backend="triton")
+
+    def fwd():
+        with torch.no_grad():
+            return logitless.linear_cross_entropy(x, w, t, backend="triton")
+
+    def fwdbwd():
+        loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
+        return (loss, *torch.autograd.grad(loss, (xl, wl)))
+
+    out = {}
+    outputs = {}
+    for name, mod in versions.items():
+        use(mod)
+        outputs[name] = (logp(), *fwdbwd())
+    a, b = outputs.values()
+    out["diff"] = {k: rel_diff(u, v) for k, u, v in zip(("logp", "loss", "dx", "dw"), a, b, strict=True)}
+    del outputs, a, b
+    times = {(name, case): [] for name in versions for case in ("logp", "fwd", "fwdbwd")}
+    mm = []
+    names = list(versions)
+    for r in range(rounds):
+        mm.append(median_ms(lambda: x @ w.T, reps))
+        for name in names if r % 2 == 0 else names[::-1]:
+            use(versions[name])
+            for case, fn in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)):
+                times[name, case].append(median_ms(fn, reps))
+    out["mm_ms"] = statistics.median(mm)
+    for (name, case), v in times.items():
+        out[f"{name} {case}_ms"] = statistics.median(v)
+        out[f"{name} {case}_spread"] = (min(v), max(v))
+    for case in ("logp", "fwd", "fwdbwd"):
+        out[f"{case} B/A"] = out[f"B {case}_ms"] / out[f"A {case}_ms"]
+    for name in names:
+        out[f"{name} logp/mm"] = out[f"{name} logp_ms"] / out["mm_ms"]
+        out[f"{name} fwd/mm"] = out[f"{name} fwd_ms"] / out["mm_ms"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True, help="another version of src/logitless/kernels/linear_head.py")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.cuda.get_device_properties(0)
+    print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    import logitless.kernels.linear_head as new
+
+    versions = {"A": load_old(a.old), "B": new}
+    res = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        for shape in a.shapes.split(","):
+            r = run_shape(shape, versions, a.rounds, a.reps)
+            res[shape] = r
+            print(f"{shape}: mm {r['mm_ms']:.2f} ms; " + "; ".join(
+                f"{c} A {r[f'A {c}_ms']:.2f} B {r[f'B {c}_ms']:.2f} (B/A {r[f'{c} B/A']:.3f})"
+                for c in ("logp", "fwd", "fwdbwd"))
+                + f"; logp/mm A {r['A logp/mm']:.3f} B {r['B logp/mm']:.3f}; diff {r['diff']}", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        use(new)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
