@@ -1,16 +1,22 @@
-"""A/B timing of two versions of the linear-head kernels on a CUDA device, interleaved so that both see the same clocks.
+"""A/B timing of two versions of a kernel file on a CUDA device, interleaved so that both see the same clocks.
 
     git show REV:src/logitless/kernels/linear_head.py > old_linear_head.py
     PYTHONPATH=src python scripts/gpu_ab.py --old old_linear_head.py [--shapes gemma2-2b,...] [--rounds 6] [--reps 5]
         [--json FILE]
+    git show REV:src/logitless/kernels/cross_entropy.py > old_cross_entropy.py
+    PYTHONPATH=src python scripts/gpu_ab.py --kernels cross_entropy --old old_cross_entropy.py [--rounds 6]
 
-"A" is the file given by --old (another version of src/logitless/kernels/linear_head.py), "B" the package's own.
+"A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own.
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
 different clocks (notes/linear_head.md, v6); here each round times A then B, or B then A (the order alternates),
 at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad log-probs, the
 forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight). Each entry is the
 median over rounds of a median of --reps calls. Before timing, B's loss, log-probs and gradients are compared with A's
 (largest difference relative to A's largest entry; the two may sum in different orders).
+
+--kernels cross_entropy: bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000; the launchers are called
+directly: the forward alone (statistics and loss) and the in-place path (forward, then the gradient written over
+the logits), next to a device-to-device copy of the logits; B's loss and gradient are compared with A's first.
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ SHAPES = {
     "qwen3-small": (16384, 1024, 151936),
 }
 MODULE = "logitless.kernels.linear_head"
+CE_SHAPES = ((16384, 128256), (8192, 256000))
+CE_OPTS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
 
 
-def load_old(path: str):
+def load_old(path: str, kernels: str = "linear_head"):
     # Loaded as a sibling module of the package's kernels, so that its relative imports resolve.
-    spec = importlib.util.spec_from_file_location("logitless.kernels.linear_head_old", path)
+    spec = importlib.util.spec_from_file_location(f"logitless.kernels.{kernels}_old", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -108,9 +116,45 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int) -> dict:
     return out
 
 
+def run_ce_shape(N: int, V: int, versions: dict, rounds: int, reps: int) -> dict:
+    x = (torch.randn(N, V, device="cuda") * 2).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    y = torch.empty_like(x)
+    out, outputs = {}, {}
+    for name, mod in versions.items():
+        y.copy_(x)
+        loss = mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS)[0]
+        outputs[name] = (loss, y.clone())
+    (la, ga), (lb, gb) = outputs.values()
+    out["diff"] = {"loss": rel_diff(la, lb), "grad": rel_diff(ga, gb)}
+    del outputs, la, ga, lb, gb
+    names = list(versions)
+    times = {(name, case): [] for name in names for case in ("stats", "inplace")}
+    copy = []
+    for r in range(rounds):
+        copy.append(median_ms(lambda: y.copy_(x), reps))
+        for name in names if r % 2 == 0 else names[::-1]:
+            mod = versions[name]
+            times[name, "stats"].append(median_ms(
+                lambda mod=mod: mod.cross_entropy_fwd(x, t, None, None, None, write_grad=False, **CE_OPTS), reps))
+            # y holds gradients after the first call: the same work on finite values
+            times[name, "inplace"].append(median_ms(
+                lambda mod=mod: mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS), reps))
+    out["copy_ms"] = statistics.median(copy)
+    for (name, case), v in times.items():
+        out[f"{name} {case}_ms"] = statistics.median(v)
+        out[f"{name} {case}_spread"] = (min(v), max(v))
+    for case in ("stats", "inplace"):
+        out[f"{case} B/A"] = out[f"B {case}_ms"] / out[f"A {case}_ms"]
+        for name in names:
+            out[f"{name} {case}/copy"] = out[f"{name} {case}_ms"] / out["copy_ms"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True, help="another version of src/logitless/kernels/linear_head.py")
+    ap.add_argument("--kernels", default="linear_head", choices=("linear_head", "cross_entropy"))
+    ap.add_argument("--old", required=True, help="another version of src/logitless/kernels/<kernels>.py")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
@@ -118,10 +162,25 @@ def main():
     a = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    res = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__}
+    if a.kernels == "cross_entropy":
+        import logitless.kernels.cross_entropy as new_ce
+
+        versions = {"A": load_old(a.old, a.kernels), "B": new_ce}
+        for N, V in CE_SHAPES:
+            r = run_ce_shape(N, V, versions, a.rounds, a.reps)
+            res[f"{N}x{V}"] = r
+            print(f"{N}x{V}: copy {r['copy_ms']:.3f} ms; " + "; ".join(
+                f"{c} A {r[f'A {c}_ms']:.3f} B {r[f'B {c}_ms']:.3f} (B/A {r[f'{c} B/A']:.3f}, B/copy "
+                f"{r[f'B {c}/copy']:.2f})" for c in ("stats", "inplace")) + f"; diff {r['diff']}", flush=True)
+            torch.cuda.empty_cache()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     import logitless.kernels.linear_head as new
 
     versions = {"A": load_old(a.old), "B": new}
-    res = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__}
     try:
         for shape in a.shapes.split(","):
             r = run_shape(shape, versions, a.rounds, a.reps)

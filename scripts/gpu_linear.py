@@ -407,6 +407,29 @@ def run_profile(shape):
         torch.cuda.synchronize()
     print(f"  profile {shape} uniform, forward + backward:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=40))
+    timeline(prof, step)
+
+
+def timeline(prof, step):
+    """The profiled step's GPU timeline: first kernel start to last kernel end, the time some kernel ran, and the
+    largest idle gaps between kernels (launch gaps, host work), next to the same step timed by CUDA events."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return
+    busy, gaps, end, prev = 0.0, [], kernels[0][0], kernels[0][2]
+    for s, e, name in kernels:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, prev = e, name
+    span = end - kernels[0][0]
+    events = statistics.median(event_ms(step)[0] for _ in range(3))
+    print(f"  timeline: {len(kernels)} kernels, span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle "
+          f"{(span - busy) / 1e3:.2f} ms in {len(gaps)} gaps; the step by CUDA events {events:.2f} ms")
+    for g, a, b in sorted(gaps, reverse=True)[:5]:
+        print(f"    gap {g:.0f} us: {a[:40]} -> {b[:40]}")
 
 
 def zipf_rank_counts(head_seed, N, D, V, device):

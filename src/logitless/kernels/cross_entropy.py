@@ -73,19 +73,50 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr = True):
     """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
-    Rows past N read 0 (finite), so no NaN appears in them; they are never stored."""
-    x = tl.load(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
+    Rows past N read 0 (finite), so no NaN appears in them; they are never stored. MASK_COLS=False: the caller
+    knows that every column is below V (no per-element select: pass 1 is issue-bound, not memory-bound)."""
+    ptrs = (logits_ptr + rows64 * stride_row)[:, None] + cols[None, :]
+    if MASK_COLS:
+        x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
+    else:
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         th = _tanh(x / softcap, INTERPRET)
         z = softcap * th
     else:
         th = x
         z = x
-    z = tl.where(col_mask[None, :], z, float("-inf"))
+    if MASK_COLS:
+        z = tl.where(col_mask[None, :], z, float("-inf"))
     return z, th
+
+
+@triton.jit
+def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
+               W_run, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
+    sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exp(z - m) [BLOCK_N, BLOCK_V]."""
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
+                       MASK_COLS)
+    m_new = tl.maximum(m_run, tl.max(z, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
+    e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
+    s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
+    if HAS_SMOOTHING:
+        d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
+        if HAS_WEIGHT:
+            w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            sw_t = tl.sum(d * w[None, :], axis=1)
+            W_t = tl.sum(w, axis=0)
+        else:
+            sw_t = tl.sum(d, axis=1)
+            W_t = tl.sum(col_mask.to(tl.float32), axis=0)
+        sw_run = tl.where(W_run > 0, sw_run + W_run * (m_run - m_safe), 0.0) + sw_t
+        W_run += W_t
+    return m_new, s_run, sw_run, W_run, z, th, e
 
 
 @triton.jit
@@ -224,26 +255,22 @@ def _ce_fwd_kernel(
     sw_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j (z_j - m_run)
     W_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j
     for i in tl.static_range(TILES):
-        cols = (kt * (TILES * BLOCK_V) + i * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+        c0 = kt * (TILES * BLOCK_V) + i * BLOCK_V
+        cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
         col_mask = cols < V
-        z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                           INTERPRET)
-        m_new = tl.maximum(m_run, tl.max(z, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V leaves -inf
-        e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
-        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
-        if HAS_SMOOTHING:
-            d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
-            if HAS_WEIGHT:
-                w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                sw_t = tl.sum(d * w[None, :], axis=1)
-                W_t = tl.sum(w, axis=0)
-            else:
-                sw_t = tl.sum(d, axis=1)
-                W_t = tl.sum(col_mask.to(tl.float32), axis=0)
-            sw_run = tl.where(W_run > 0, sw_run + W_run * (m_run - m_safe), 0.0) + sw_t
-            W_run += W_t
-        m_run = m_new
+        if WRITE_GRAD and TILES == 1:
+            # The row stays in registers for its gradient (below): one tile, masked.
+            m_run, s_run, sw_run, W_run, z, th, e = _fold_tile(
+                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True)
+        elif c0 + BLOCK_V <= V:
+            m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
+                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False)
+        else:
+            m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
+                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True)
 
     if SPLIT:
         pbase = part_ptr + (rows64 * K + kt) * NSTAT
