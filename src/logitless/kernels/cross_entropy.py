@@ -74,14 +74,16 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
                HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr = True):
-    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
-    Rows past N read 0 (finite), so no NaN appears in them; they are never stored. MASK_COLS=False: the caller
-    knows that every column is below V (no per-element select: pass 1 is issue-bound, not memory-bound)."""
+    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule,
+    and the tile as loaded (in the logits' dtype). Rows past N read 0 (finite), so no NaN appears in them; they are
+    never stored. MASK_COLS=False: the caller knows that every column is below V (no per-element select: pass 1 is
+    issue-bound, not memory-bound)."""
     ptrs = (logits_ptr + rows64 * stride_row)[:, None] + cols[None, :]
     if MASK_COLS:
-        x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
+        xr = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_V]
     else:
-        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        xr = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    x = xr.to(tl.float32)
     if HAS_SOFTCAP:
         th = _tanh(x / softcap, INTERPRET)
         z = softcap * th
@@ -90,7 +92,7 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
         z = x
     if MASK_COLS:
         z = tl.where(col_mask[None, :], z, float("-inf"))
-    return z, th
+    return z, th, xr
 
 
 @triton.jit
@@ -98,13 +100,27 @@ def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride
                W_run, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr):
     """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
-    sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exp(z - m) [BLOCK_N, BLOCK_V]."""
-    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
-                       MASK_COLS)
-    m_new = tl.maximum(m_run, tl.max(z, axis=1))
+    sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
+    (exp(z - m) with MASK_COLS; scaled by 2^c below without)."""
+    z, th, xr = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                           INTERPRET, MASK_COLS)
+    if MASK_COLS or HAS_SOFTCAP:
+        m_new = tl.maximum(m_run, tl.max(z, axis=1))
+    else:
+        # The max of the tile as loaded: exact, and two bf16/fp16 logits per instruction.
+        m_new = tl.maximum(m_run, tl.max(xr, axis=1).to(tl.float32))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
-    e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
-    s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
+    if MASK_COLS or INTERPRET:
+        e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
+        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
+    else:
+        # One fused multiply-add per logit instead of a subtraction and a multiply: z log2(e) is exact inside the
+        # fma, so only m2 = m log2(e) is rounded, by c = m log2(e) - m2 (exact as an fma residual). The tile's sum
+        # is taken back to the reference m exactly by 2^-c, once per row. (The interpreter rounds inside fma.)
+        m2 = m_safe * LOG2E
+        e = tl.exp2(tl.fma(z, LOG2E, -m2[:, None]))  # [BLOCK_N, BLOCK_V], exp(z - m) 2^c
+        c = tl.fma(m_safe, LOG2E, -m2)
+        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1) * tl.exp2(-c)
     if HAS_SMOOTHING:
         d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
         if HAS_WEIGHT:
@@ -183,7 +199,8 @@ def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stri
                      A, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
-    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+    z, th, _ = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                          INTERPRET)
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
