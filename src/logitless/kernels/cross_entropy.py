@@ -74,16 +74,14 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
                HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr = True):
-    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule,
-    and the tile as loaded (in the logits' dtype). Rows past N read 0 (finite), so no NaN appears in them; they are
-    never stored. MASK_COLS=False: the caller knows that every column is below V (no per-element select: pass 1 is
-    issue-bound, not memory-bound)."""
+    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
+    Rows past N read 0 (finite), so no NaN appears in them; they are never stored. MASK_COLS=False: the caller knows
+    that every column is below V (no per-element select: pass 1 is issue-bound, not memory-bound)."""
     ptrs = (logits_ptr + rows64 * stride_row)[:, None] + cols[None, :]
     if MASK_COLS:
-        xr = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_V]
+        x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
     else:
-        xr = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    x = xr.to(tl.float32)
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         th = _tanh(x / softcap, INTERPRET)
         z = softcap * th
@@ -92,7 +90,7 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
         z = x
     if MASK_COLS:
         z = tl.where(col_mask[None, :], z, float("-inf"))
-    return z, th, xr
+    return z, th
 
 
 @triton.jit
@@ -102,13 +100,9 @@ def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride
     """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
     sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
     (exp(z - m) with MASK_COLS; scaled by 2^c below without)."""
-    z, th, xr = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                           INTERPRET, MASK_COLS)
-    if MASK_COLS or HAS_SOFTCAP:
-        m_new = tl.maximum(m_run, tl.max(z, axis=1))
-    else:
-        # The max of the tile as loaded: exact, and two bf16/fp16 logits per instruction.
-        m_new = tl.maximum(m_run, tl.max(xr, axis=1).to(tl.float32))
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
+                       MASK_COLS)
+    m_new = tl.maximum(m_run, tl.max(z, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
     if MASK_COLS or INTERPRET:
         e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
@@ -199,8 +193,7 @@ def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stri
                      A, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
-    z, th, _ = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
-                          INTERPRET)
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],

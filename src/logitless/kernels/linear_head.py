@@ -85,11 +85,14 @@ def _tanh(y):
     return tl.where(a < 0.3, p, tl.where(y < 0, -big, big))
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _exp(x):
     # e^x as 2^(x log2 e): Triton's exp adds a range test and two multiplies per element to return subnormal
     # results (below 2^-126); exp2 flushes those to zero, which no float32 sum or gradient here can resolve anyway.
-    return tl.exp2(x * 1.4426950408889634)
+    return tl.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -404,10 +407,10 @@ def _dz_kernel(
     z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     rows_in = tl.minimum(rows, N - 1)  # rows past N repeat the last one (finite values); never stored
     m = tl.load(m_ptr + rows_in)
-    logs2 = tl.load(logs_ptr + rows_in) * 1.4426950408889634
+    logs2 = tl.load(logs_ptr + rows_in) * LOG2E
     a = tl.load(a_ptr + rows_in)
     # p = exp((z - m) - log S) as 2^((z - m) log2 e - log2 S): z - m stays exact, one multiply-add per element.
-    p = tl.exp2((z - m[:, None]) * 1.4426950408889634 - logs2[:, None])
+    p = tl.exp2((z - m[:, None]) * LOG2E - logs2[:, None])
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
         g = p * (a[:, None] + bc[:, None] * (z - m[:, None]))  # B multiplies z - m: no cancellation at |z|~1e4
