@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -219,3 +220,30 @@ def test_event_ms_and_peak_extra_mib():
     assert ms > 0 and out.item() == 1 << 20
     assert measure.peak_extra_mib(lambda: torch.ones(1 << 20, device="cuda").sum()) >= 4.0
     assert abs(measure.peak_extra_mib(lambda: torch.empty(1 << 20, device="cuda"))) < 0.01
+
+
+def _sleepy_step(times):
+    # A step whose n-th run sleeps times[n] seconds (the last value from then on); counts its runs.
+    calls = []
+
+    def fwd():
+        time.sleep(times[min(len(calls), len(times) - 1)])
+        calls.append(1)
+
+    return Step(fwd, None), calls
+
+
+@pytest.mark.parametrize("times, raises, runs", [
+    ([0.25, 0.0], False, 2),  # the first run compiles: slow but under 10 x the limit; the second is fast
+    ([0.25, 0.25], True, 2),  # slow every time: too slow after the second run
+    ([1.5], True, 1),  # the first run alone is over 10 x the limit
+    ([0.0], False, 1),  # fast: one warm-up run, as asked
+])
+def test_warm_up_gives_the_first_run_a_compile_allowance(times, raises, runs):
+    step, calls = _sleepy_step(times)
+    if raises:
+        with pytest.raises(measure.TooSlow):
+            measure.warm_up(step, lambda: None, torch.device("cpu"), 1, 0.1)
+    else:
+        assert measure.warm_up(step, lambda: None, torch.device("cpu"), 1, 0.1) < 0.1
+    assert len(calls) == runs

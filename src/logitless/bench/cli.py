@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="untimed runs before measuring, after the check; at least 1, the last one sizing the "
                          "number of timed runs (default: 1)")
     ap.add_argument("--max-iter-seconds", type=float, default=30.0, metavar="S",
-                    help="a provider whose single run takes longer is reported 'too slow', not timed (default: 30)")
+                    help="a provider whose single run takes longer is reported 'too slow', not timed; its first "
+                         "run, which may compile, may take 10 x as long (default: 30)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list providers, with why any cannot run here, and exit")
