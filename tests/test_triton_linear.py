@@ -177,6 +177,9 @@ WORKSPACES = {
     "alias_both": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2),
     # ... and the second pass splits the token reduction (few dW tiles, many SMs): float32 partials + sum kernel.
     "alias_split_k": (torch.bfloat16, 140, 64, 300, 120, "xw", 16),
+    # ... and the second pass's last chunks, whose dz fills the scratch, put the split partials of their few dW
+    # tiles into the dW rows after them (odd N and D).
+    "second_pass_tail_split": (torch.bfloat16, 257, 33, 650, 32, "xw", 16),
     # ... and the first pass splits the token reduction of its few dW tiles next to the dx tiles (small D, many SMs).
     "first_pass_split": (torch.bfloat16, 200, 40, 500, 32, "xwb", 16),
     # ... and wide first-pass chunks (128, then 64 classes) put their dz into dW rows after them, then chunks of D.
@@ -200,11 +203,23 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
     dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
     monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(grad_tma=grad_tma))
     split_expected = name == "first_pass_split"
+    tail_split_expected = name == "second_pass_tail_split"
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     chosen = []
     balanced = lh._balanced_split
     monkeypatch.setattr(lh, "_balanced_split", lambda *a: chosen.append(balanced(*a)) or chosen[-1])
+    part_bytes = []  # the storage size behind each launch's split partials: the scratch's, or dW's
+    sum_splits = lh._sum_splits_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(part, *args, **kw):
+                part_bytes.append(part.untyped_storage().nbytes())
+                return sum_splits[grid](part, *args, **kw)
+            return launch
+
+    monkeypatch.setattr(lh, "_sum_splits_kernel", Recorder())
     x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
@@ -222,6 +237,8 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
         assert_within_rule(name, go, gt, g64)
     if split_expected:
         assert any(k < n for k in chosen), chosen
+    if tail_split_expected:
+        assert v * d * 2 in part_bytes, part_bytes
 
 
 def test_balanced_split():

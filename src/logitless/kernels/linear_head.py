@@ -1106,7 +1106,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
-    def grad_pass(v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free):
+    def grad_pass(v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None):
+        # room: where float32 split partials may go when the scratch holds dz (free dW rows, or None)
         rows = v1 - v0
         do_dx = dx_acc is not None
         if not (do_dw or do_dx):
@@ -1124,15 +1125,19 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             splits = triton.cdiv(N, k_per_split)
             if splits > 1:
                 part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
-        elif do_dw and not do_dx and n_out < sms and scratch_free:
-            # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch,
-            # summed in a fixed order by a second kernel. Skipping, the splits are made of whole token blocks.
-            splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), SCRATCH_BYTES // (4 * rows * D)))
+        elif do_dw and not do_dx and n_out < sms and (scratch_free or room is not None):
+            # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch (or,
+            # when dz is there, in the room given), summed in a fixed order by a second kernel. Skipping, the
+            # splits are made of whole token blocks.
+            room_bytes = SCRATCH_BYTES if scratch_free else room.numel() * room.element_size()
+            splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), room_bytes // (4 * rows * D)))
             unit = cfg.block_n if skip else cfg.block_kg
             k_per_split = triton.cdiv(triton.cdiv(N, splits), unit) * unit
             splits = triton.cdiv(N, k_per_split)
-            if splits > 1:
+            if splits > 1 and scratch_free:
                 part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
+            elif splits > 1:
+                part = room.view(torch.float32)[: splits * rows * D].view(splits, rows, D)
         scatter = do_dw and has_perm and part is None  # dW rows written straight to their classes' rows
         if not do_dw:
             dw_out = dummy
@@ -1190,12 +1195,17 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     # Second pass: the dW rows that held the dx accumulator.
     if need_dw and plan.dw_end < V:
         for v0, v1, in_dw in _second_pass(N, V, D, x.element_size(), cfg, plan.dw_end, aligned):
+            room = None
             if in_dw:
                 dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
             else:
                 dz = scratch_view((N, v1 - v0), x.dtype)
+                # The dW rows after the chunk are not written yet (its classes' rows are its own, also with an
+                # order): room for the split partials of its few long dW tiles, 16-byte aligned.
+                lo, hi = triton.cdiv(v1 * D, 8) * 8, V * D // 8 * 8
+                room = dw.view(-1)[lo:hi] if hi > lo else None
             dz_pass(v0, v1, dz, False)
-            grad_pass(v0, v1, dz, True, None, False, in_dw)
+            grad_pass(v0, v1, dz, True, None, False, in_dw, room)
     if db is not None and has_perm:
         db = db[torch.argsort(perm)]  # position order -> class order
     return dx, dw, None if db is None else db.to(b.dtype)
