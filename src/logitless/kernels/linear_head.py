@@ -1075,6 +1075,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     dz_tma = _use_tma(cfg, x, w, perm)
     dz_x, dz_w = _operands(x, w, dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
     scratch = []  # one lazily allocated buffer of SCRATCH_BYTES (more only if one row of N tokens needs more)
+    x_desc = []  # the gradient products' descriptor of x, made once
 
     def scratch_view(shape, dtype):
         n = shape[0] * shape[1]
@@ -1151,8 +1152,10 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         use_tma = cfg.grad_tma and not (skip or has_perm) and _tma_ok(dz, x, wv)
         if use_tma:
             kg, bm, bd = cfg.block_kg, cfg.block_m, cfg.block_d
+            if not x_desc:  # the same for every chunk (host time: a launch costs tens of microseconds already)
+                x_desc.append(TensorDescriptor.from_tensor(x, [kg, bd]))
             descs = (TensorDescriptor.from_tensor(dz, [kg, bm]), TensorDescriptor.from_tensor(dz, [bm, kg]),
-                     TensorDescriptor.from_tensor(x, [kg, bd]), TensorDescriptor.from_tensor(wv, [kg, bd]))
+                     x_desc[0], TensorDescriptor.from_tensor(wv, [kg, bd]))
         _dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
             dz, x, wv, dw_out, dx_acc if do_dx else dummy,
             perm[v0:] if has_perm else dummy, *lists, *descs,
