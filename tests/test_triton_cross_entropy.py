@@ -215,6 +215,12 @@ def test_gpu_fused_extreme_and_repeatable():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         z, t = make(256, 128256, dtype, scale=1e4)
         check(z, t, inplace=False)
+    # Up to 1e9 the correction 2^-c grows to 2^30 and stays exact; beyond, the tiles fold with the subtraction
+    # first, as the interpreter does.
+    for scale in (2e8, 5e37):
+        for dtype in (torch.bfloat16, torch.float32):
+            z, t = make(64, 128256, dtype, scale=scale)
+            check(z, t, inplace=False)
 
 
 def test_torch_compile_fullgraph():

@@ -107,14 +107,19 @@ def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride
     if MASK_COLS or INTERPRET:
         e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
         s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
-    else:
+    elif tl.max(tl.abs(m_safe), axis=0) < 1e9:
         # One fused multiply-add per logit instead of a subtraction and a multiply: z log2(e) is exact inside the
         # fma, so only m2 = m log2(e) is rounded, by c = m log2(e) - m2 (exact as an fma residual). The tile's sum
-        # is taken back to the reference m exactly by 2^-c, once per row. (The interpreter rounds inside fma.)
+        # is taken back to the reference m exactly by 2^-c, once per row. |c| is half an ulp of m2: below 2^6 for
+        # |m| < 1e9, so 2^c and 2^-c stay finite; larger logits take the subtraction. (The interpreter rounds
+        # inside fma, so it always subtracts.)
         m2 = m_safe * LOG2E
         e = tl.exp2(tl.fma(z, LOG2E, -m2[:, None]))  # [BLOCK_N, BLOCK_V], exp(z - m) 2^c
         c = tl.fma(m_safe, LOG2E, -m2)
         s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1) * tl.exp2(-c)
+    else:
+        e = tl.exp2((z - m_safe[:, None]) * LOG2E)
+        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
     if HAS_SMOOTHING:
         d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
         if HAS_WEIGHT:
