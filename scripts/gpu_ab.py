@@ -29,18 +29,12 @@ import sys
 
 import torch
 import triton
+from gpu_linear import SHAPES, head_steps  # scripts/, next to this file
 
-import logitless
 import logitless.kernels
 from logitless.bench import data
 from logitless.bench.measure import event_ms
 
-SHAPES = {
-    "gemma2-2b": (8192, 2304, 256000),
-    "llama3-8b": (16384, 4096, 128256),
-    "mistral-nemo": (8192, 5120, 131072),
-    "qwen3-small": (16384, 1024, 151936),
-}
 MODULE = "logitless.kernels.linear_head"
 CE_SHAPES = ((16384, 128256), (8192, 256000))
 CE_OPTS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
@@ -72,20 +66,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_shape(shape: str, versions: dict, rounds: int, reps: int) -> dict:
     N, D, V = SHAPES[shape]
     head = data.uniform(N, D, V, device="cuda")
-    x, w, t = head.input, head.weight, head.target
-    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-
-    def logp():
-        with torch.no_grad():
-            return logitless.linear_log_probs(x, w, t, backend="triton")
-
-    def fwd():
-        with torch.no_grad():
-            return logitless.linear_cross_entropy(x, w, t, backend="triton")
-
-    def fwdbwd():
-        loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
-        return (loss, *torch.autograd.grad(loss, (xl, wl)))
+    fwd, logp, fwdbwd = head_steps(head.input, head.weight, head.target)
 
     out = {}
     outputs = {}
@@ -99,7 +80,7 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int) -> dict:
     mm = []
     names = list(versions)
     for r in range(rounds):
-        mm.append(median_ms(lambda: x @ w.T, reps))
+        mm.append(median_ms(lambda: head.input @ head.weight.T, reps))
         for name in names if r % 2 == 0 else names[::-1]:
             use(versions[name])
             for case, fn in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)):

@@ -46,18 +46,14 @@ import triton
 import logitless
 from logitless import reference
 from logitless.bench import data
+from logitless.bench.cases import GPU_DEFAULT_PRESETS, PRESETS
 from logitless.bench.check import rel_err as rel
 from logitless.bench.check import rule_line as rule
 from logitless.bench.measure import event_ms, peak_extra_mib
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD, class_counts
 
-SHAPES = {
-    "gemma2-2b": (8192, 2304, 256000),
-    "llama3-8b": (16384, 4096, 128256),
-    "mistral-nemo": (8192, 5120, 131072),
-    "qwen3-small": (16384, 1024, 151936),
-}
+SHAPES = {name: PRESETS[name] for name in GPU_DEFAULT_PRESETS["train"]}  # the issue's four heads
 
 
 def median_ms(fn, reps, warmup=2):
@@ -133,11 +129,10 @@ def check_full(head, with_grads):
     return out
 
 
-def time_case(head, reps):
-    x, w, t = head.input, head.weight, head.target
-    N, V = x.shape[0], w.shape[0]
+def head_steps(x, w, t):
+    """The timed calls on one head (x, W, targets): the loss without grad, no-grad log-probs, and forward + backward
+    of the mean loss (returns loss, d_input, d_weight)."""
     xl, wl = leaf(x), leaf(w)
-    buf = {"dz": torch.randn(N, V, device="cuda", dtype=x.dtype) * 1e-3}  # the floor's dL/dz, made once
 
     def fwd():
         with torch.no_grad():
@@ -148,7 +143,17 @@ def time_case(head, reps):
             return logitless.linear_log_probs(x, w, t, backend="triton")
 
     def fwdbwd():
-        return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl))
+        loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
+        return (loss, *torch.autograd.grad(loss, (xl, wl)))
+
+    return fwd, logp, fwdbwd
+
+
+def time_case(head, reps):
+    x, w, t = head.input, head.weight, head.target
+    N, V = x.shape[0], w.shape[0]
+    fwd, logp, fwdbwd = head_steps(x, w, t)
+    buf = {"dz": torch.randn(N, V, device="cuda", dtype=x.dtype) * 1e-3}  # the floor's dL/dz, made once
 
     def floor():
         dz = buf["dz"]

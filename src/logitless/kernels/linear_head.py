@@ -1116,29 +1116,27 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         n_out = triton.cdiv(rows, cfg.block_m) * triton.cdiv(D, cfg.block_d)
         n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
         splits, k_per_split, part = 1, N, None
+        room_bytes = SCRATCH_BYTES if scratch_free else (0 if room is None else room.numel() * room.element_size())
         if do_dw and do_dx and scratch_free and cfg.balance:
             # A few dW tiles, each reducing over all N tokens, next to many short dx tiles (small D): the dW tiles
             # would set the kernel's time while most multiprocessors idle. Split their reduction (float32 partials
             # in the scratch, summed in a fixed order) as far as it shortens the estimated makespan.
             unit = cfg.block_n if skip else cfg.block_kg
             k_per_split = _balanced_split(N, n_out, n_dx_tiles, triton.cdiv(rows, cfg.block_kg), sms, unit,
-                                          cfg.block_kg, SCRATCH_BYTES // (4 * rows * D))
+                                          cfg.block_kg, room_bytes // (4 * rows * D))
             splits = triton.cdiv(N, k_per_split)
-            if splits > 1:
-                part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
-        elif do_dw and not do_dx and n_out < sms and (scratch_free or room is not None):
+        elif do_dw and not do_dx and n_out < sms and room_bytes:
             # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch (or,
             # when dz is there, in the room given), summed in a fixed order by a second kernel. Skipping, the
             # splits are made of whole token blocks.
-            room_bytes = SCRATCH_BYTES if scratch_free else room.numel() * room.element_size()
             splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), room_bytes // (4 * rows * D)))
             unit = cfg.block_n if skip else cfg.block_kg
             k_per_split = triton.cdiv(triton.cdiv(N, splits), unit) * unit
             splits = triton.cdiv(N, k_per_split)
-            if splits > 1 and scratch_free:
-                part = scratch_view((splits, rows * D), torch.float32).view(splits, rows, D)
-            elif splits > 1:
-                part = room.view(torch.float32)[: splits * rows * D].view(splits, rows, D)
+        if splits > 1:  # float32 partials [splits, rows, D], in the scratch or the room
+            n = splits * rows * D
+            part = (scratch_view((1, n), torch.float32) if scratch_free else room.view(torch.float32)[:n])
+            part = part.view(splits, rows, D)
         scatter = do_dw and has_perm and part is None  # dW rows written straight to their classes' rows
         if not do_dw:
             dw_out = dummy
