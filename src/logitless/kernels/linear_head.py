@@ -43,6 +43,7 @@ pairs (a list per token block and per tile, built on the device).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -234,7 +235,7 @@ def _fwd_kernel(
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
     m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out,
     # sizes
-    N, V, D, tiles_per_split, n_splits, n_vtiles,
+    N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd,
     # options
@@ -247,7 +248,20 @@ def _fwd_kernel(
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     EVEN_V: tl.constexpr,
 ):
-    pid_n, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP)
+    # Two phases of programs (_fwd_layout): first n_big splits of tiles_big tiles for every token block, then the
+    # rest of each block's tiles in n_small splits of tiles_small, which fill the multiprocessors the first phase
+    # leaves idle at its end. Split k of a block always covers the same tiles; the partials are per split.
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    if pid < n_blocks * n_big:
+        pid_n, split = _grouped(pid, n_blocks, n_big, GROUP)
+        j0 = split * tiles_big
+        j1 = j0 + tiles_big
+    else:
+        pid_n, s2 = _grouped(pid - n_blocks * n_big, n_blocks, n_small, GROUP)
+        split = n_big + s2
+        j0 = n_big * tiles_big + s2 * tiles_small
+        j1 = tl.minimum(j0 + tiles_small, n_vtiles)
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -261,8 +275,6 @@ def _fwd_kernel(
     sw = tl.zeros((BLOCK_N,), tl.float32)  # sum w_j (z_j - m), kept relative to the running max
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
     wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
-    j0 = split * tiles_per_split
-    j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(V, BLOCK_V))
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
     for _ in range(j0, j1):
         cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
@@ -734,6 +746,11 @@ def _dot_flags(x: torch.Tensor) -> dict:
     return dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=upcast)
 
 
+# The forward's stand-in under the interpreter: enough multiprocessors that the tests' small shapes split each row
+# over both phases of _fwd_layout (with _num_sms's 2, most would run whole rows in one program).
+_INTERPRETER_FWD_SMS = 8
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -894,20 +911,23 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     if tile_lse is not None:
         assert tile_lse.shape == (n_blocks, n_vtiles) and tile_lse.dtype == torch.float32
         assert tile_lse.is_contiguous()
-    want_splits = max(1, round(cfg.waves * _num_sms(x.device) / n_blocks))
-    tiles_per_split = triton.cdiv(n_vtiles, min(n_vtiles, want_splits))
-    n_splits = triton.cdiv(n_vtiles, tiles_per_split)
-    part = _new((5, n_splits, N), **f32)
-    wsum = _new(n_splits, **f32)
+    sms = _num_sms(x.device) if x.device.type == "cuda" else _INTERPRETER_FWD_SMS
+    n_big, tiles_big, n_small, tiles_small = _fwd_layout(n_blocks, n_vtiles, sms, cfg.group, cfg.waves)
+    n_splits = n_big + n_small
     has_target = target is not None
     dummy = _dummy(x)
+    # Partial statistics per split: m and s always, the others only where asked for.
+    kept = [True, True, has_target, bool(want_smooth), bool(want_entropy)]
+    part = _new((sum(kept), n_splits, N), **f32)
+    part = [part[sum(kept[:i])] if k else dummy for i, k in enumerate(kept)]
+    wsum = _new(n_splits, **f32)
     tma = _use_tma(cfg, x, w, perm)
     xo, wo = _operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b if b is not None else dummy, target if has_target else dummy,
         class_w if class_w is not None else dummy, perm if perm is not None else dummy,
         part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy,
-        N, V, D, tiles_per_split, n_splits, n_vtiles,
+        N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
         HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
@@ -926,6 +946,62 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         num_warps=4,
     )
     return tuple(outs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) -> tuple[int, int, int, int]:
+    """Vocabulary splits of the forward: (n_big, tiles_big, n_small, tiles_small). Every token block's tiles are
+    cut the same way: n_big splits of tiles_big, then the remaining tiles in n_small splits of tiles_small (the
+    last one shorter). The n_blocks * n_big programs of the first phase run before those of the second.
+
+    One program per multiprocessor runs at a time, so with equal splits the last wave leaves most of the GPU idle
+    while a few programs finish (3-4% of the forward at the issue shapes, 6-12% at smaller ones). Here the first
+    phase is sized to end, on the busiest multiprocessors, at the even share of all tiles, and the second phase's
+    short programs fill the others up to it; what is left is about half a short program. A split count keeps about
+    sms / 2 programs on one group of token blocks at a time (their x blocks and W tiles shared in L2), and at most
+    max(sms / (2 group), 2 waves sms / n_blocks) + 32 splits keep the partials small (float32 per row and split). The
+    plan is estimated in tiles (each program also costs ~0.1 tile: its first loads and its partial stores), and
+    taken only where it beats the equal splits of `waves` programs per multiprocessor."""
+    total = n_blocks * n_vtiles
+    share = total / sms
+    g = min(group, n_blocks)
+    n_lo = max(1, min(n_vtiles, triton.cdiv(sms, 2 * g)))
+    want = max(1, min(n_vtiles, round(waves * sms / n_blocks)))
+
+    def estimate(n_big, a, n_small, b):
+        programs = n_blocks * (n_big + n_small)
+        if n_small == 0:  # equal splits (the last may be shorter): the waves of the first phase alone
+            end = triton.cdiv(programs, sms) * a
+        else:
+            rounds = triton.cdiv(n_blocks * n_big, sms)
+            end = max(rounds * a, share) + b / 2
+        return end + 0.1 * programs / sms + 1e-3 * (n_big + n_small)
+
+    # Equal splits of a tiles (the last one shorter, as a second phase of one split).
+    a = triton.cdiv(n_vtiles, want)
+    best = (estimate(triton.cdiv(n_vtiles, a), a, 0, 0), n_vtiles // a, a, int(n_vtiles % a > 0), n_vtiles % a)
+    # First-phase split counts: the few above n_lo, and those that make the first phase about k full waves.
+    hi = max(n_lo, 2 * want)
+    counts = set(range(n_lo, min(hi, n_lo + 16) + 1))
+    for k in range(1, 65):
+        counts.update((k * sms // n_blocks, triton.cdiv(k * sms, n_blocks)))
+    max_small = min(2 * n_lo, 32)
+    for n_big in sorted(c for c in counts if n_lo <= c <= hi):
+        rounds = triton.cdiv(n_blocks * n_big, sms)
+        a = min(n_vtiles // n_big, int(total // (sms * rounds)))
+        if a < 1:
+            break
+        rest = n_vtiles - n_big * a
+        if rest == 0:
+            cand = [(n_big, a, 0, 0)]
+        else:
+            b_min = triton.cdiv(rest, max_small)
+            cand = [(n_big, a, triton.cdiv(rest, b), b) for b in range(b_min, min(rest, b_min + 8) + 1)]
+        for c in cand:
+            e = estimate(*c)
+            if e < best[0]:
+                best = (e, *c)
+    return best[1:]
 
 
 class _Plan(NamedTuple):
