@@ -94,37 +94,18 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
 
 
 @triton.jit
-def _exp_sum(z, m_run, m_safe, s_run):
-    # exp(z - m) [BLOCK_N, BLOCK_V] (0 past V) and the running sum moved from m_run to m_safe with the tile's added.
-    e = tl.exp2((z - m_safe[:, None]) * LOG2E)
-    return e, s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
-
-
-@triton.jit
 def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
                W_run, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr):
     """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
     sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
-    (exp(z - m) with MASK_COLS; scaled by 2^c below without)."""
+    (exp(z - m), 0 past V)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
                        MASK_COLS)
     m_new = tl.maximum(m_run, tl.max(z, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
-    if MASK_COLS or INTERPRET:
-        e, s_run = _exp_sum(z, m_run, m_safe, s_run)
-    elif tl.max(tl.abs(m_safe), axis=0) < 1e9:
-        # One fused multiply-add per logit instead of a subtraction and a multiply: z log2(e) is exact inside the
-        # fma, so only m2 = m log2(e) is rounded, by c = m log2(e) - m2 (exact as an fma residual). The tile's sum
-        # is taken back to the reference m exactly by 2^-c, once per row. |c| is half an ulp of m2: below 2^6 for
-        # |m| < 1e9, so 2^c and 2^-c stay finite; larger logits take the subtraction. (The interpreter rounds
-        # inside fma, so it always subtracts.)
-        m2 = m_safe * LOG2E
-        e = tl.exp2(tl.fma(z, LOG2E, -m2[:, None]))  # [BLOCK_N, BLOCK_V], exp(z - m) 2^c
-        c = tl.fma(m_safe, LOG2E, -m2)
-        s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1) * tl.exp2(-c)
-    else:
-        e, s_run = _exp_sum(z, m_run, m_safe, s_run)
+    e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
+    s_run = s_run * tl.exp2((m_run - m_safe) * LOG2E) + tl.sum(e, axis=1)
     if HAS_SMOOTHING:
         d = tl.where(col_mask[None, :], z - m_safe[:, None], 0.0)
         if HAS_WEIGHT:
