@@ -6,6 +6,7 @@ Every test runs with outputs and workspaces poisoned with NaN, so an element tha
 """
 
 import functools
+import heapq
 import itertools
 import math
 
@@ -251,7 +252,6 @@ def test_balanced_split():
 def _makespan(n_blocks, layout, sms, group):
     """Finish time, in tiles, of the forward's programs dispatched in launch order to the first free one of `sms`
     multiprocessors (one program each at a time; a program costs its tiles plus 0.1)."""
-    import heapq
     n_big, a, n_small, b = layout
     free = [0.0] * sms
 
