@@ -28,7 +28,8 @@ another vocabulary shard, the caller passing target - shard_start) contributes n
 one-hot term. No function here synchronises with the host; grids and workspaces depend on shapes only.
 
 Forward: programs own (token block x vocabulary split) and run an online log-sum-exp over their split's vocabulary
-tiles; a second small kernel merges the splits. Backward (docs/kernels.md): the vocabulary is walked in chunks; per
+tiles (long splits first, then short ones that fill the grid's last wave: _fwd_layout); a second small kernel merges
+the splits. Backward (docs/kernels.md): the vocabulary is walked in chunks; per
 chunk one kernel recomputes the logits and writes dL/dz for the chunk into a workspace, and one kernel runs both
 gradient products: dW rows of the chunk (reduction over all tokens, in registers, written once) and the float32
 dx accumulator (read-modify-write once per chunk). The workspaces are carved out of the gradient buffers before
@@ -707,7 +708,7 @@ class Config(NamedTuple):
     grad_warps: int
     grad_stages: int
     group: int
-    waves: int  # forward programs per multiprocessor, roughly (sets the vocabulary split count)
+    waves: int  # forward: programs per multiprocessor of the equal-split layout _fwd_layout starts from (and bounds)
     dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
     tma: bool = False  # forward / dz operands through tensor descriptors (the copy engine) where possible
     balance: bool = True  # split the dW reduction when a chunk's few long dW tiles would idle most of the GPU
