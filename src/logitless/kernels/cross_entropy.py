@@ -29,10 +29,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import _dispatch
+from ._common import LOG2E
 
 _dispatch.register_triton_op("cross_entropy")
 
-LOG2E = tl.constexpr(1.4426950408889634)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
+from ._common import LOG2E
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -85,9 +86,6 @@ def _tanh(y):
     p = y * (1.0 + y2 * (-0.3333333333333333 + y2 * (0.13333333333333333 + y2 * (
         -0.05396825396825397 + y2 * (0.021869488536155203 + y2 * -0.008863235529902197)))))
     return tl.where(a < 0.3, p, tl.where(y < 0, -big, big))
-
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
