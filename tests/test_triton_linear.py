@@ -625,8 +625,21 @@ def test_gpu_int64_offsets(N, D, V):
         outs.append((loss,) + tuple(torch.autograd.grad(loss, (xo, wo))))
         del xo, wo
     for name, a, r in zip(("loss", "d_input", "d_weight"), *outs, strict=True):
-        assert rel_err(a, r) < 5e-3, name
-        assert rel_err(a[-64:], r[-64:]) < 5e-3 if a.dim() else True, name  # where a 32-bit offset would wrap
+        assert _rows_rel_err(a, r) < 5e-3, name
+        assert _rows_rel_err(a[-64:], r[-64:]) < 5e-3 if a.dim() else True, name  # where a 32-bit offset would wrap
+
+
+def _rows_rel_err(a: torch.Tensor, r: torch.Tensor, rows: int = 1 << 16) -> float:
+    """rel_err (||a - r|| / ||r||, float64) a block of rows at a time: float64 copies of whole 4 GB gradients do not
+    fit next to the test's tensors on an 80 GB GPU. NaN in a makes the result NaN, which fails the comparison."""
+    if a.dim() == 0:
+        return rel_err(a, r)
+    num = den = 0.0
+    for i in range(0, a.shape[0], rows):
+        r64 = r[i:i + rows].double()
+        num += float((a[i:i + rows].double() - r64).square().sum())
+        den += float(r64.square().sum())
+    return (num / den) ** 0.5 if den > 0 else num ** 0.5
 
 
 @pytest.mark.gpu

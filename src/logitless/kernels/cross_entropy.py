@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import _dispatch
-from ._common import LOG2E
+from ._common import LOG2E, cdiv
 
 _dispatch.register_triton_op("cross_entropy")
 
@@ -443,8 +443,8 @@ def _config(N: int, V: int, device: torch.device) -> Config:
     then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
     n_sm = num_sms(device)
     block_v = min(triton.next_power_of_2(V), TILE_ELEMS)
-    tiles = max(1, min(TILES_PER_PROGRAM, triton.cdiv(V, block_v)))
-    while N * triton.cdiv(V, block_v * tiles) < 4 * n_sm:
+    tiles = max(1, min(TILES_PER_PROGRAM, cdiv(V, block_v)))
+    while N * cdiv(V, block_v * tiles) < 4 * n_sm:
         if tiles > 1:
             tiles //= 2
         elif block_v > MIN_BLOCK_V:
@@ -452,7 +452,7 @@ def _config(N: int, V: int, device: torch.device) -> Config:
         else:
             break
     block_n = max(1, min(TILE_ELEMS // block_v, triton.next_power_of_2(N)))
-    while block_n > 1 and triton.cdiv(N, block_n) * triton.cdiv(V, block_v * tiles) < 4 * n_sm:
+    while block_n > 1 and cdiv(N, block_n) * cdiv(V, block_v * tiles) < 4 * n_sm:
         block_n //= 2
     num_warps = max(4, min(16, block_n * block_v // 1024))
     return Config(block_n, block_v, num_warps, tiles)
@@ -490,8 +490,8 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     if N == 0:
         return loss, lse, stats
     cfg = config or _config(N, V, dev)
-    K = triton.cdiv(V, cfg.block_v * cfg.tiles)
-    n_blocks = triton.cdiv(N, cfg.block_n)
+    K = cdiv(V, cfg.block_v * cfg.tiles)
+    n_blocks = cdiv(N, cfg.block_n)
     split = K > 1
     # A row in registers is written back in the same pass; a longer row is written by a second launch unless
     # FUSE_SECOND_READ (see there).
@@ -531,7 +531,7 @@ def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *
     if N == 0:
         return out
     cfg = config or _config(N, V, logits.device)
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v))
+    grid = (cdiv(N, cfg.block_n), cdiv(V, cfg.block_v))
     _ce_bwd_kernel[grid](
         grad if grad is not None else stats, logits, out, target,
         class_w if class_w is not None else stats, w_sum if w_sum is not None else stats,
@@ -554,7 +554,7 @@ def scale_rows_(buf, grad, config: Config | None = None):
     if N == 0:
         return buf
     cfg = config or _config(N, V, buf.device)
-    n_row_blocks = triton.cdiv(N, cfg.block_n)
+    n_row_blocks = cdiv(N, cfg.block_n)
     # A few programs per SM, each looping over row blocks: when nothing is to be scaled the launch costs microseconds.
     grid = (min(n_row_blocks, 8 * num_sms(buf.device)),)
     _ce_scale_kernel[grid](

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
-from ._common import LOG2E
+from ._common import LOG2E, cdiv
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -799,7 +799,7 @@ def skip_supported(x: torch.Tensor) -> bool:
 def tile_grid(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
     """(token blocks, vocabulary tiles) of the forward's tiles: the shape of forward_stats' tile_lse."""
     cfg = _config(x)
-    return triton.cdiv(x.shape[0], cfg.block_n), triton.cdiv(w.shape[0], cfg.block_v)
+    return cdiv(x.shape[0], cfg.block_n), cdiv(w.shape[0], cfg.block_v)
 
 
 def _segments(N: int, V: int, D: int, elt: int, cfg: Config) -> list[int]:
@@ -905,8 +905,8 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     if N == 0:
         return tuple(outs)
     cfg = _config(x)
-    n_blocks = triton.cdiv(N, cfg.block_n)
-    n_vtiles = triton.cdiv(V, cfg.block_v)
+    n_blocks = cdiv(N, cfg.block_n)
+    n_vtiles = cdiv(V, cfg.block_v)
     if tile_lse is not None:
         assert tile_lse.shape == (n_blocks, n_vtiles) and tile_lse.dtype == torch.float32
         assert tile_lse.is_contiguous()
@@ -937,7 +937,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
-    _combine_kernel[(triton.cdiv(N, block),)](
+    _combine_kernel[(cdiv(N, block),)](
         part[0], part[1], part[2], part[3], part[4], wsum,
         outs[0], outs[1], outs[2], outs[3], outs[4],
         N, n_splits,
@@ -964,29 +964,29 @@ def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) 
     total = n_blocks * n_vtiles
     share = total / sms
     g = min(group, n_blocks)
-    n_lo = max(1, min(n_vtiles, triton.cdiv(sms, 2 * g)))
+    n_lo = max(1, min(n_vtiles, cdiv(sms, 2 * g)))
     want = max(1, min(n_vtiles, round(waves * sms / n_blocks)))
 
     def estimate(n_big, a, n_small, b):
         programs = n_blocks * (n_big + n_small)
         if n_small == 0:  # equal splits (the last may be shorter): the waves of the first phase alone
-            end = triton.cdiv(programs, sms) * a
+            end = cdiv(programs, sms) * a
         else:
-            rounds = triton.cdiv(n_blocks * n_big, sms)
+            rounds = cdiv(n_blocks * n_big, sms)
             end = max(rounds * a, share) + b / 2
         return end + 0.1 * programs / sms + 1e-3 * (n_big + n_small)
 
     # Equal splits of a tiles (the last one shorter, as a second phase of one split).
-    a = triton.cdiv(n_vtiles, want)
-    best = (estimate(triton.cdiv(n_vtiles, a), a, 0, 0), n_vtiles // a, a, int(n_vtiles % a > 0), n_vtiles % a)
+    a = cdiv(n_vtiles, want)
+    best = (estimate(cdiv(n_vtiles, a), a, 0, 0), n_vtiles // a, a, int(n_vtiles % a > 0), n_vtiles % a)
     # First-phase split counts: the few above n_lo, and those that make the first phase about k full waves.
     hi = max(n_lo, 2 * want)
     counts = set(range(n_lo, min(hi, n_lo + 16) + 1))
     for k in range(1, 65):
-        counts.update((k * sms // n_blocks, triton.cdiv(k * sms, n_blocks)))
+        counts.update((k * sms // n_blocks, cdiv(k * sms, n_blocks)))
     max_small = min(2 * n_lo, 32)
     for n_big in sorted(c for c in counts if n_lo <= c <= hi):
-        rounds = triton.cdiv(n_blocks * n_big, sms)
+        rounds = cdiv(n_blocks * n_big, sms)
         a = min(n_vtiles // n_big, int(total // (sms * rounds)))
         if a < 1:
             break
@@ -994,8 +994,8 @@ def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) 
         if rest == 0:
             cand = [(n_big, a, 0, 0)]
         else:
-            b_min = triton.cdiv(rest, max_small)
-            cand = [(n_big, a, triton.cdiv(rest, b), b) for b in range(b_min, min(rest, b_min + 8) + 1)]
+            b_min = cdiv(rest, max_small)
+            cand = [(n_big, a, cdiv(rest, b), b) for b in range(b_min, min(rest, b_min + 8) + 1)]
         for c in cand:
             e = estimate(*c)
             if e < best[0]:
@@ -1020,10 +1020,10 @@ def _balanced_split(N: int, n_out: int, n_dx: int, dx_steps: int, sms: int, unit
     count is taken only when it shortens that by more than 3% (it costs a float32 partial per split and a sum)."""
     best_k, best = N, None
     for s in range(1, max(1, max_splits) + 1):
-        k = triton.cdiv(triton.cdiv(N, s), unit) * unit
-        n_dw = n_out * triton.cdiv(N, k)
-        steps = triton.cdiv(k, block_k)
-        span = max(triton.cdiv(n_dw, sms) * steps, (n_dw * steps + n_dx * dx_steps) / sms + dx_steps)
+        k = cdiv(cdiv(N, s), unit) * unit
+        n_dw = n_out * cdiv(N, k)
+        steps = cdiv(k, block_k)
+        span = max(cdiv(n_dw, sms) * steps, (n_dw * steps + n_dx * dx_steps) / sms + dx_steps)
         if best is None or span < 0.97 * best:
             best_k, best = k, span
     return best_k
@@ -1137,8 +1137,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     dummy = _dummy(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     dot = _dot_flags(x)
-    n_blocks = triton.cdiv(N, cfg.block_n)
-    n_vtiles = triton.cdiv(V, cfg.block_v)
+    n_blocks = cdiv(N, cfg.block_n)
+    n_vtiles = cdiv(V, cfg.block_v)
     sms = _num_sms(x.device)
     sp = None
     if skip:
@@ -1156,14 +1156,14 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         n = shape[0] * shape[1]
         nbytes = n * dtype.itemsize
         if not scratch or scratch[0].numel() * 4 < nbytes:
-            scratch[:] = [_new(triton.cdiv(max(SCRATCH_BYTES, nbytes), 4), **f32)]
+            scratch[:] = [_new(cdiv(max(SCRATCH_BYTES, nbytes), 4), **f32)]
         return scratch[0].view(dtype)[:n].view(shape)
 
     def dz_pass(v0, v1, dz, with_db):
         assert not skip or v0 % cfg.block_v == 0
         store = dz is not None
         dbp = _new((n_blocks, v1 - v0), **f32) if with_db else None
-        _dz_kernel[(n_blocks * triton.cdiv(v1 - v0, cfg.dz_block_v),)](
+        _dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.dz_block_v),)](
             dz_x, dz_w, b if b is not None else dummy, target if target is not None else dummy,
             class_w if class_w is not None else dummy, perm if has_perm else dummy, m, logs, A,
             B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
@@ -1188,8 +1188,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         do_dx = dx_acc is not None
         if not (do_dw or do_dx):
             return
-        n_out = triton.cdiv(rows, cfg.block_m) * triton.cdiv(D, cfg.block_d)
-        n_dx_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(D, cfg.block_d) if do_dx else 0
+        n_out = cdiv(rows, cfg.block_m) * cdiv(D, cfg.block_d)
+        n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.block_d) if do_dx else 0
         splits, k_per_split, part = 1, N, None
         room_bytes = SCRATCH_BYTES if scratch_free else (0 if room is None else room.numel() * room.element_size())
         if do_dw and do_dx and scratch_free and cfg.balance:
@@ -1197,17 +1197,17 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             # would set the kernel's time while most multiprocessors idle. Split their reduction (float32 partials
             # in the scratch, summed in a fixed order) as far as it shortens the estimated makespan.
             unit = cfg.block_n if skip else cfg.block_kg
-            k_per_split = _balanced_split(N, n_out, n_dx_tiles, triton.cdiv(rows, cfg.block_kg), sms, unit,
+            k_per_split = _balanced_split(N, n_out, n_dx_tiles, cdiv(rows, cfg.block_kg), sms, unit,
                                           cfg.block_kg, room_bytes // (4 * rows * D))
-            splits = triton.cdiv(N, k_per_split)
+            splits = cdiv(N, k_per_split)
         elif do_dw and not do_dx and n_out < sms and room_bytes:
             # Too few dW tiles to fill the GPU: split the token reduction into float32 partials in the scratch (or,
             # when dz is there, in the room given), summed in a fixed order by a second kernel. Skipping, the
             # splits are made of whole token blocks.
-            splits = max(1, min(sms // n_out, triton.cdiv(N, 4 * cfg.block_kg), room_bytes // (4 * rows * D)))
+            splits = max(1, min(sms // n_out, cdiv(N, 4 * cfg.block_kg), room_bytes // (4 * rows * D)))
             unit = cfg.block_n if skip else cfg.block_kg
-            k_per_split = triton.cdiv(triton.cdiv(N, splits), unit) * unit
-            splits = triton.cdiv(N, k_per_split)
+            k_per_split = cdiv(cdiv(N, splits), unit) * unit
+            splits = cdiv(N, k_per_split)
         if splits > 1:  # float32 partials [splits, rows, D], in the scratch or the room
             n = splits * rows * D
             part = (scratch_view((1, n), torch.float32) if scratch_free else room.view(torch.float32)[:n])
@@ -1233,7 +1233,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             dz, x, wv, dw_out, dx_acc if do_dx else dummy,
             perm[v0:] if has_perm else dummy, *lists, *descs,
             N, D, rows, n_dw_tiles, k_per_split, n_out, n_blocks, n_vtiles, v0 // cfg.block_v,
-            triton.cdiv(v1, cfg.block_v),
+            cdiv(v1, cfg.block_v),
             dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             dw_out.stride(-2) if do_dw else 0, dw_out.stride(-1) if do_dw else 0,
             part.stride(0) if part is not None else 0,
@@ -1247,7 +1247,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         )
         if part is not None:
             n = rows * D
-            _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
+            _sum_splits_kernel[(cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
                                                         perm[v0:] if has_perm else dummy, n, splits, D,
                                                         SCATTER=has_perm, BLOCK=1024, UPCAST=dot["UPCAST"])
 
@@ -1278,7 +1278,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
                 dz = scratch_view((N, v1 - v0), x.dtype)
                 # The dW rows after the chunk are not written yet (its classes' rows are its own, also with an
                 # order): room for the split partials of its few long dW tiles, 16-byte aligned.
-                lo, hi = triton.cdiv(v1 * D, 8) * 8, V * D // 8 * 8
+                lo, hi = cdiv(v1 * D, 8) * 8, V * D // 8 * 8
                 room = dw.view(-1)[lo:hi] if hi > lo else None
             dz_pass(v0, v1, dz, False)
             grad_pass(v0, v1, dz, True, None, False, in_dw, room)
