@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import traceback
@@ -410,6 +411,8 @@ def run_profile(shape):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    if os.environ.get("TRACE_DIR"):
+        prof.export_chrome_trace(os.path.join(os.environ["TRACE_DIR"], f"trace-{shape}.json"))
     print(f"  profile {shape} uniform, forward + backward:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=40))
     timeline(prof, step)
@@ -636,6 +639,8 @@ def main():
     ap.add_argument("--fwd-variants", default="", help="forward variants (comma-separated names, or 'all') at "
                     "--shapes, then exit")
     ap.add_argument("--profile", default="", help="comma-separated shapes to profile (kernel times)")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="only the --profile shapes, then exit (TRACE_DIR=folder also writes Chrome traces)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="checks only, at a tiny shape on the CPU interpreter")
     ap.add_argument("--sparsity", action="store_true", help="skipping on/off at the shapes (see above)")
@@ -664,6 +669,10 @@ def main():
           flush=True)
     if a.sparsity:
         run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
+        return
+    if a.profile_only:
+        for shape in filter(None, a.profile.split(",")):
+            run_profile(shape)
         return
     if a.interleaved:
         return write_json(run_interleaved(a.shapes.split(","), a.reps), a.json)

@@ -1,0 +1,126 @@
+"""Host-side cost of the public calls at small shapes, where the host, not the GPU, can be the bound.
+
+For each shape and call (linear_cross_entropy fwd+bwd, linear_log_probs without grad):
+  gpu    CUDA-event time per call with the host far ahead (a long sleep kernel queued first): the GPU's own time;
+  free   CUDA-event time per call back to back with nothing queued: what a user sees when the host is the bound;
+  host   wall-clock time to enqueue one call while the GPU is busy (one long sleep kernel queued first, and few
+         enough calls that the driver's launch queue never fills): the host's own time;
+  launches  kernels per call (torch profiler).
+Then cProfile of the host side of a few calls (top functions by own time).
+
+    PYTHONPATH=src python3 scripts/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import pstats
+import time
+
+import torch
+
+import logitless
+
+
+def _busy(ms: float):
+    """Queue about `ms` of GPU work in one kernel, so the host runs ahead of the device without filling the
+    launch queue (many short kernels would block the host once the queue is full)."""
+    torch.cuda._sleep(int(ms * 1e-3 * _clock_hz()))
+
+
+@functools.cache
+def _clock_hz() -> float:
+    """Cycles per second of torch.cuda._sleep, measured once."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10_000_000)
+    e0.record()
+    torch.cuda._sleep(100_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    return 100_000_000 / (e0.elapsed_time(e1) * 1e-3)
+
+
+def calls(N, D, V, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, D, device="cuda", dtype=dtype, generator=g).requires_grad_(True)
+    w = (torch.randn(V, D, device="cuda", dtype=dtype, generator=g) * D ** -0.5).requires_grad_(True)
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    t[::10] = -100
+
+    def lce():
+        x.grad = w.grad = None
+        logitless.linear_cross_entropy(x, w, t).backward()
+
+    def logp():
+        with torch.no_grad():
+            logitless.linear_log_probs(x, w, t)
+
+    return {"lce fwd+bwd": lce, "log-probs no-grad": logp}
+
+
+def measure(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # free: back to back, nothing queued
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    free = e0.elapsed_time(e1) / reps
+    # host: enqueue time with the GPU busy far ahead; gpu: event time of the same calls. At most ~400 launches are
+    # queued behind the sleep: beyond the driver's queue depth (about a thousand) the host would wait for the GPU.
+    n = max(1, min(reps, 400 // max(1, launches)))
+    _busy(20.0 + 2.0 * n * free)
+    s0 = time.perf_counter()
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    host = (time.perf_counter() - s0) * 1e3 / n
+    torch.cuda.synchronize()
+    gpu = e0.elapsed_time(e1) / n
+    return gpu, free, host, launches
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096,2048,32000;8192,896,151936;4096,4096,128256;16384,4096,128256")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cprofile", action="store_true")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| shape | call | gpu ms | free ms | host ms | launches |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for spec in args.shapes.split(";"):
+        N, D, V = (int(s) for s in spec.split(","))
+        for name, fn in calls(N, D, V).items():
+            gpu, free, host, launches = measure(fn, args.reps)
+            print(f"| {N}, {D}, {V} | {name} | {gpu:.3f} | {free:.3f} | {host:.3f} | {launches} |", flush=True)
+        if args.cprofile:
+            for name, fn in calls(N, D, V).items():
+                fn()
+                torch.cuda.synchronize()
+                _busy(200.0)
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(5):
+                    fn()
+                pr.disable()
+                torch.cuda.synchronize()
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+                print(f"\n## cProfile, {N}, {D}, {V}, {name}, 5 calls\n" + s.getvalue())
+
+
+if __name__ == "__main__":
+    main()
