@@ -23,6 +23,7 @@ import time
 import torch
 
 import logitless
+from logitless.bench import data
 
 
 def _busy(ms: float):
@@ -43,12 +44,12 @@ def _clock_hz() -> float:
     return 100_000_000 / (e0.elapsed_time(e1) * 1e-3)
 
 
-def calls(N, D, V, dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(N, D, device="cuda", dtype=dtype, generator=g).requires_grad_(True)
-    w = (torch.randn(V, D, device="cuda", dtype=dtype, generator=g) * D ** -0.5).requires_grad_(True)
-    t = torch.randint(0, V, (N,), device="cuda", generator=g)
-    t[::10] = -100
+def calls(N, D, V):
+    head = data.make_head("uniform", N, D, V, device="cuda")  # bf16
+    x = head.input.detach().requires_grad_(True)
+    w = head.weight.detach().requires_grad_(True)
+    t = head.target.clone()
+    t[::10] = -100  # every tenth token ignored
 
     def lce():
         x.grad = w.grad = None
