@@ -114,6 +114,25 @@ def test_tensor_descriptor_conditions():
     assert not lh._use_tma(cfg, x.view(-1)[1:].as_strided((8, 48), (48, 1)), w, None)  # base 2 bytes off
 
 
+# The tiles each kind of CUDA device gets (linear_head.gpu_config: Hopper-class shared memory, A100's, and the 99 KB of
+# sm_86 / sm_89 / sm_120 cards), run at a shape with partial blocks and tiles in every direction; on the CPU through
+# the interpreter (descriptors emulated where the tier uses them). scripts/compile_check.py compiles the same tiers
+# for each architecture and checks their shared memory.
+GPU_TIERS = [(9, 232448), (8, 166912), (8, 101376), (12, 101376)]
+
+
+@pytest.mark.parametrize("major,smem", GPU_TIERS)
+def test_gpu_tiers(monkeypatch, major, smem):
+    cfg = lh.gpu_config(torch.bfloat16, major, smem)
+    assert cfg.tma == cfg.grad_tma == (major >= 9)
+    assert (cfg.block_v, cfg.block_k) == ((256, 64) if smem >= 200 * 1024 else (128, 32))
+    assert lh.gpu_config(torch.float32, major, smem) == lh._GPU_CONFIG_FP32
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", cfg)
+    x, w, b, t = case(torch.bfloat16, n=200, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
+    lce_check(x, w, b, t, label_smoothing=0.1)
+    check_log_probs_entropy(x, w, b, t, backend="triton")
+
+
 @pytest.mark.parametrize("kind", ("lm", "uniform"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_peaked_and_uniform_data(kind, dtype):

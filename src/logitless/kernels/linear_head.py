@@ -731,12 +731,38 @@ _INTERPRETER_CONFIG = Config(32, 64, 32, 1, 1, 32, 32, 32, 1, 1, 2, 4, 64, wide=
 CONFIG_OVERRIDE: Config | None = None
 
 
+def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:
+    """The tiles for a CUDA device of compute capability `major`.x whose blocks may use `max_smem` bytes of shared
+    memory. Hopper-class memory (>= 200 KB a block) gets the measured tiles above. Smaller (A100's 163 KB, the 99 KB
+    of sm_86 / sm_89 / sm_120 cards) gets 128 x 128 x 32 tiles everywhere: the Hopper tiles' gradient products need
+    112 KB there, and on sm_80 every big-tile kernel spills (scripts/compile_check.py: 96-1736 bytes of stack per
+    thread), while these compile with no spills in 32 KB on sm_80, sm_86, sm_89 and sm_120. Not timed: no such GPU
+    was at hand. Tensor descriptors wherever the copy engine exists (compute capability >= 9)."""
+    if dtype == torch.float32:
+        return _GPU_CONFIG_FP32
+    if max_smem >= 200 * 1024:
+        cfg = _GPU_CONFIG
+    else:
+        cfg = _GPU_CONFIG._replace(block_v=128, block_k=32, block_d=128, block_kg=32, dz_block_v=128)
+    if major < 9:
+        cfg = cfg._replace(tma=False, grad_tma=False)
+    return cfg
+
+
+@functools.cache
+def _device_config(index: int, dtype: torch.dtype) -> Config:
+    from triton.runtime import driver
+
+    smem = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return gpu_config(dtype, torch.cuda.get_device_capability(index)[0], smem)
+
+
 def _config(x: torch.Tensor) -> Config:
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if x.device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return _GPU_CONFIG_FP32 if x.dtype == torch.float32 else _GPU_CONFIG
+    return _device_config(x.device.index if x.device.index is not None else torch.cuda.current_device(), x.dtype)
 
 
 def _dot_flags(x: torch.Tensor) -> dict:
