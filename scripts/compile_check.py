@@ -27,8 +27,6 @@ import tempfile
 # Shared memory a block may use (opt-in maximum, bytes), by compute capability.
 SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Step 1: record the launches (runs under the interpreter)
@@ -56,15 +54,14 @@ def _arg_type(v):
     return ("constexpr", v), False
 
 
-def record(shapes, dtypes, config_json) -> list:
+def record(shapes, dtypes, configs) -> list:
     import torch
     import triton.runtime.interpreter as interp
 
     import logitless
-    from logitless.kernels import cross_entropy as ce
+    from logitless.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
 
-    cfg = json.loads(config_json)
     seen, out = set(), []
     original = interp.InterpretedFunction.run
 
@@ -103,8 +100,8 @@ def record(shapes, dtypes, config_json) -> list:
     interp.InterpretedFunction.run = run
     gen = torch.Generator().manual_seed(0)
     for dt_name in dtypes:
-        dt = getattr(torch, _DTYPES[dt_name])
-        lh.CONFIG_OVERRIDE = lh.Config(**cfg[dt_name])
+        dt = DTYPES[dt_name]
+        lh.CONFIG_OVERRIDE = lh.Config(**configs[dt_name])
         for N, D, V in shapes:
             x = (torch.randn(N, D, generator=gen) * 0.5).to(dt).requires_grad_()
             w = (torch.randn(V, D, generator=gen) * 0.5).to(dt).requires_grad_()
@@ -126,7 +123,6 @@ def record(shapes, dtypes, config_json) -> list:
             logitless.cross_entropy(y * 1, t, inplace_backward=True, label_smoothing=0.1, z_loss=1e-4, **kw)
     lh.CONFIG_OVERRIDE = None
     interp.InterpretedFunction.run = original
-    del ce
     return out
 
 
@@ -190,28 +186,27 @@ def main():
                     help="the Python that records the launches (another Triton's interpreter, if this one's fails)")
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)  # internal: step 1 in the subprocess
     a = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     if a.record is not None:
         args = json.loads(a.record)
-        print(json.dumps(record(args["shapes"], args["dtypes"], args["config"])))
+        print(json.dumps(record(args["shapes"], args["dtypes"], args["configs"])))
         return
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # The kernels must import as compilable functions here: run again without the interpreter.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    from logitless.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
 
     shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";")]
     dtypes = a.dtypes.split(",")
     all_ok = True
     for arch in (int(v) for v in a.arch.split(",")):
-        import torch
-
-        config = {d: lh.gpu_config(getattr(torch, _DTYPES[d]), arch // 10, SMEM_LIMIT[arch])
+        config = {d: lh.gpu_config(DTYPES[d], arch // 10, SMEM_LIMIT[arch])
                   ._replace(**(json.loads(a.replace) if d != "fp32" else {}))._asdict() for d in dtypes}
         print(f"sm_{arch}: configs {config}", flush=True)
         env = dict(os.environ, TRITON_INTERPRET="1")
-        arg = json.dumps(dict(shapes=shapes, dtypes=dtypes, config=json.dumps(config)))
+        arg = json.dumps(dict(shapes=shapes, dtypes=dtypes, configs=config))
         r = subprocess.run([a.record_python, os.path.abspath(__file__), "--record", arg], capture_output=True,
                            text=True, env=env)
         if r.returncode != 0:
