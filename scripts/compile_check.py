@@ -111,6 +111,9 @@ def record(shapes, dtypes, configs) -> list:
             cw = torch.rand(V, generator=gen) + 0.5
             kw = dict(backend="triton")
             logitless.linear_cross_entropy(x, w, t, **kw).backward()
+            # a frozen head (dx only) and a frozen input (dW only): other gradient-product specialisations
+            logitless.linear_cross_entropy(x, w.detach(), t, **kw).backward()
+            logitless.linear_cross_entropy(x.detach(), w, t, **kw).backward()
             logitless.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-4,
                                            softcap=20.0, reduction="sum", **kw).backward()
             lp, ent = logitless.linear_log_probs(x, w, t, temperature=0.7, return_entropy=True, **kw)

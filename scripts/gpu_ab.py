@@ -2,17 +2,19 @@
 
     git show REV:src/logitless/kernels/linear_head.py > old_linear_head.py
     PYTHONPATH=src python scripts/gpu_ab.py --old old_linear_head.py [--shapes gemma2-2b,...] [--rounds 6] [--reps 5]
-        [--json FILE]
+        [--json FILE] [--set ACC_IN_DX=0.25 ...] [--cases fwdbwd]
     git show REV:src/logitless/kernels/cross_entropy.py > old_cross_entropy.py
     PYTHONPATH=src python scripts/gpu_ab.py --kernels cross_entropy --old old_cross_entropy.py [--rounds 6]
 
-"A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own.
+"A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own;
+each --set adds a version C, D, ... of the package's file with module constants changed (linear_head only).
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
-different clocks (notes/linear_head.md, v6); here each round times A then B, or B then A (the order alternates),
-at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad log-probs, the
-forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight). Each entry is the
-median over rounds of a median of --reps calls. Before timing, B's loss, log-probs and gradients are compared with A's
-(largest difference relative to A's largest entry; the two may sum in different orders).
+different clocks (notes/linear_head.md, v6); here each round times A, B, ... in order or in reverse (the order
+alternates), at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad
+log-probs, the forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight;
+--cases picks). Each entry is the median over rounds of a median of --reps calls. Before timing, each version's
+loss, log-probs and gradients are compared with A's (largest difference relative to A's largest entry; the two may
+sum in different orders).
 
 --kernels cross_entropy: bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000; the launchers are called
 directly: the forward alone (statistics and loss) and the in-place path (forward, then the gradient written over
@@ -22,6 +24,7 @@ the logits), next to a device-to-device copy of the logits; B's loss and gradien
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import statistics
@@ -63,37 +66,43 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
 
 
-def run_shape(shape: str, versions: dict, rounds: int, reps: int) -> dict:
+def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp", "fwd", "fwdbwd")) -> dict:
     N, D, V = SHAPES[shape]
     head = data.uniform(N, D, V, device="cuda")
     fwd, logp, fwdbwd = head_steps(head.input, head.weight, head.target)
 
     out = {}
-    outputs = {}
+    names = list(versions)
+    first = None
     for name, mod in versions.items():
         use(mod)
-        outputs[name] = (logp(), *fwdbwd())
-    a, b = outputs.values()
-    out["diff"] = {k: rel_diff(u, v) for k, u, v in zip(("logp", "loss", "dx", "dw"), a, b, strict=True)}
-    del outputs, a, b
-    times = {(name, case): [] for name in versions for case in ("logp", "fwd", "fwdbwd")}
+        got = (logp(), *fwdbwd())
+        if first is None:
+            first = got
+        else:  # each version against A
+            out[f"diff {name}"] = {k: rel_diff(u, v)
+                                   for k, u, v in zip(("logp", "loss", "dx", "dw"), first, got, strict=True)}
+        del got
+    out["diff"] = out["diff B"]
+    del first
+    steps = [c for c in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)) if c[0] in cases]
+    times = {(name, case): [] for name in versions for case, _ in steps}
     mm = []
-    names = list(versions)
     for r in range(rounds):
         mm.append(median_ms(lambda: head.input @ head.weight.T, reps))
         for name in names if r % 2 == 0 else names[::-1]:
             use(versions[name])
-            for case, fn in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)):
+            for case, fn in steps:
                 times[name, case].append(median_ms(fn, reps))
     out["mm_ms"] = statistics.median(mm)
     for (name, case), v in times.items():
         out[f"{name} {case}_ms"] = statistics.median(v)
         out[f"{name} {case}_spread"] = (min(v), max(v))
-    for case in ("logp", "fwd", "fwdbwd"):
-        out[f"{case} B/A"] = out[f"B {case}_ms"] / out[f"A {case}_ms"]
-    for name in names:
-        out[f"{name} logp/mm"] = out[f"{name} logp_ms"] / out["mm_ms"]
-        out[f"{name} fwd/mm"] = out[f"{name} fwd_ms"] / out["mm_ms"]
+    for case, _ in steps:
+        for name in names[1:]:
+            out[f"{case} {name}/A"] = out[f"{name} {case}_ms"] / out[f"A {case}_ms"]
+        for name in names:
+            out[f"{name} {case}/mm"] = out[f"{name} {case}_ms"] / out["mm_ms"]
     return out
 
 
@@ -140,6 +149,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[],
+                    help="another version: the package's file with module constants set, e.g. ACC_IN_DX=0.25 "
+                         "(repeatable; named C, D, ...)")
+    ap.add_argument("--cases", default="logp,fwd,fwdbwd", help="what to time (linear_head): logp, fwd, fwdbwd")
     a = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -162,14 +175,25 @@ def main():
     import logitless.kernels.linear_head as new
 
     versions = {"A": load_old(a.old), "B": new}
+    for i, spec in enumerate(a.set):
+        # C, D, ...: the package's own file, loaded again as its own module, with module constants set
+        name = chr(ord("C") + i)
+        mod = load_old(new.__file__)
+        for item in spec.split(","):
+            key, value = item.split("=")
+            setattr(mod, key, ast.literal_eval(value))
+        versions[name] = mod
+        res[f"version {name}"] = spec
+    cases = a.cases.split(",")
     try:
         for shape in a.shapes.split(","):
-            r = run_shape(shape, versions, a.rounds, a.reps)
+            r = run_shape(shape, versions, a.rounds, a.reps, cases)
             res[shape] = r
             print(f"{shape}: mm {r['mm_ms']:.2f} ms; " + "; ".join(
-                f"{c} A {r[f'A {c}_ms']:.2f} B {r[f'B {c}_ms']:.2f} (B/A {r[f'{c} B/A']:.3f})"
-                for c in ("logp", "fwd", "fwdbwd"))
-                + f"; logp/mm A {r['A logp/mm']:.3f} B {r['B logp/mm']:.3f}; diff {r['diff']}", flush=True)
+                f"{c} " + " ".join(f"{n} {r[f'{n} {c}_ms']:.2f}" for n in versions)
+                + " (" + ", ".join(f"{n}/A {r[f'{c} {n}/A']:.3f}" for n in list(versions)[1:]) + ")"
+                for c in cases)
+                + "; " + "; ".join(f"diff {n} {r[f'diff {n}']}" for n in list(versions)[1:]), flush=True)
             torch.cuda.empty_cache()
     finally:
         use(new)
