@@ -296,7 +296,11 @@ def test_bad_options():
         logitless.patch(model, backend="cuda")
     with pytest.raises(TypeError):
         logitless.patch(model, reduction="sum")
+    with pytest.raises(TypeError, match="workspace_bytes"):
+        logitless.patch(model, workspace_bytes=1.5)
     assert "forward" not in vars(model)
+    # a valid budget is passed on to linear_cross_entropy (the PyTorch path here, which ignores it)
+    assert torch.isfinite(logitless.patch(model, workspace_bytes=64 << 20)(**batch()).loss)
 
 
 def test_refuses_what_it_cannot_reproduce():

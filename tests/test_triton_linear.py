@@ -190,7 +190,8 @@ def test_logsumexp(softcap, temperature, bias, dtype):
 
 
 # Where the backward's workspaces live (kernels/linear_head.py, _plan): each case forces one arrangement with a small
-# SCRATCH_BYTES. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher)
+# SCRATCH_BYTES. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher[, the
+# caller's workspace_bytes])
 WORKSPACES = {
     # bf16, both gradients: dz of D classes in dx, dx accumulator in the last 2N rows of dW; the second pass puts
     # one chunk's dz into still-unwritten dW rows and the last into the scratch.
@@ -213,6 +214,11 @@ WORKSPACES = {
     "bias_only": (torch.bfloat16, 37, 45, 300, 64, "b", 2),
     # V < 2N: the dx accumulator does not fit in dW and is allocated.
     "small_vocab": (torch.bfloat16, 70, 80, 100, 64, "xwb", 2),
+    # workspace_bytes of 4 N D bytes more than 3 scratches: the dx accumulator gets its own buffer (no second pass),
+    # the scratch is 3 times the default.
+    "own_acc": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2, 4 * 37 * 130 + 3 * 37 * 32 * 2),
+    # ... only 3 scratches: the accumulator stays in dW, the chunks in the scratch are 3 times wider.
+    "wide_scratch": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2, 3 * 37 * 32 * 2),
 }
 
 
@@ -220,8 +226,12 @@ WORKSPACES = {
 @pytest.mark.parametrize("name", list(WORKSPACES))
 def test_backward_workspaces(name, grad_tma, monkeypatch):
     # (grad_tma: the gradient products read dz, x and W through descriptors where the workspace is aligned)
-    dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
+    dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(grad_tma=grad_tma))
+    plans, workspaces = [], []
+    make_plan, workspace = lh._plan, lh._workspace
+    monkeypatch.setattr(lh, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
+    monkeypatch.setattr(lh, "_workspace", lambda *a: workspaces.append(tuple(workspace(*a))) or workspace(*a))
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     chosen = []
@@ -242,7 +252,8 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
     ours = logitless.linear_cross_entropy(*ours_in[:2], t, linear_bias=ours_in[2], backend="triton",
-                                          reduction="sum", label_smoothing=0.1)
+                                          reduction="sum", label_smoothing=0.1,
+                                          workspace_bytes=budget[0] if budget else None)
     theirs_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
     theirs = reference.naive_linear_cross_entropy(*theirs_in[:2], t, linear_bias=theirs_in[2], upcast=False,
                                                   reduction="sum", label_smoothing=0.1)
@@ -250,13 +261,20 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
     truth = reference.naive_linear_cross_entropy(*t64_in[:2], t, linear_bias=t64_in[2], reduction="sum",
                                                  label_smoothing=0.1)
     assert_within_rule("loss", ours, theirs, truth)
-    for grad_name, go, gt, g64 in zip([f"d_{k}" for k in needs], grads(ours, ours_in), grads(theirs, theirs_in),
+    ours_grads = grads(ours, ours_in)
+    for grad_name, go, gt, g64 in zip([f"d_{k}" for k in needs], ours_grads, grads(theirs, theirs_in),
                                       grads(truth, t64_in), strict=True):
         assert_within_rule(grad_name, go, gt, g64)
     if name == "first_pass_split":
         assert any(k < n for k in chosen), chosen
     if name == "second_pass_tail_split":
         assert v * d * 2 in part_bytes, part_bytes
+    (plan,) = plans
+    if name in ("own_acc", "wide_scratch", "alias_both"):
+        # every dW row in the first pass with an accumulator of its own; else the accumulator in dW's last rows
+        own = plan.dx_acc.untyped_storage().data_ptr() != ours_grads[1].untyped_storage().data_ptr()
+        assert own == (plan.dw_end == v) == (name == "own_acc")
+        assert workspaces == [(3 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")]
 
 
 def test_balanced_split():
@@ -442,7 +460,7 @@ def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
     error rule; returns (the backward's skip plans, our gradients)."""
     plans = []
     monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
-    opts = {k: kw.pop(k) for k in ("skip_threshold", "vocab_order") if k in kw}
+    opts = {k: kw.pop(k) for k in ("skip_threshold", "vocab_order", "workspace_bytes") if k in kw}
     ins = {}
     outs = {}
     for name in ("ours", "torch", "f64"):
@@ -543,9 +561,10 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 # through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
 # and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
-                                        ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none")])
+                                        ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none"),
+                                        ("own_acc", "batch"), ("wide_scratch", "batch")])
 def test_skip_workspaces(name, order, monkeypatch, small_tiles):
-    dtype, n, d, v, cols, needs, sms = WORKSPACES[name]
+    dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     wide = []
     first_pass = lh._first_pass
     monkeypatch.setattr(lh, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
@@ -554,7 +573,7 @@ def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
     plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
-                          vocab_order=order)
+                          vocab_order=order, workspace_bytes=budget[0] if budget else None)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
     assert any(dz_at is not None for chunks in wide for *_, dz_at in chunks) == (order == "none")
 
@@ -569,6 +588,40 @@ def test_skip_log_probs(monkeypatch, small_tiles):
     check_against_truth(functools.partial(logitless.linear_log_probs, skip_threshold=TAU),
                         reference.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
     assert len(plans) == 1 and not bool(plans[0].hot.all())
+
+
+def test_workspace_bytes_log_probs_and_module(monkeypatch):
+    # The budget reaches the backward from linear_log_probs (with the entropy's B term), linear_logsumexp and the
+    # loss module: the accumulator gets its own buffer; results within the rule.
+    monkeypatch.setattr(lh, "SCRATCH_BYTES", 37 * 32 * 2)
+    budget = 4 * 37 * 130 + 37 * 32 * 2
+    seen = []
+    workspace = lh._workspace
+    monkeypatch.setattr(lh, "_workspace", lambda *a: seen.append(workspace(*a).own_acc) or workspace(*a))
+    x, w, b, t = case(torch.bfloat16, n=37, d=130, v=300, bias=True, scale=2.0)
+    up = torch.randn(37, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+    check_against_truth(functools.partial(logitless.linear_log_probs, temperature=0.8, workspace_bytes=budget),
+                        functools.partial(reference.naive_linear_log_probs, temperature=0.8), x, w, b, t,
+                        upstream=up, backend="triton")
+    xo, wo = leaves(x, w)
+    lse = logitless.linear_logsumexp(xo, wo, workspace_bytes=budget, backend="triton")
+    ref = torch.logsumexp(xo.detach().double() @ wo.detach().double().T, dim=-1)
+    assert rel_err(lse, ref) < 1e-5
+    grads(lse.sum(), [xo, wo])
+    loss_fn = logitless.LinearCrossEntropyLoss(workspace_bytes=budget, backend="triton")
+    assert "workspace_bytes=" in repr(loss_fn)
+    xo, wo = leaves(x, w)
+    grads(loss_fn(xo, wo, t), [xo, wo])
+    assert seen == [True, True, True]
+
+
+def test_bad_workspace_bytes():
+    x, w, _, t = case(torch.bfloat16)
+    for bad, err in ((-1, ValueError), (1.5, TypeError), (True, TypeError), ("8MB", TypeError)):
+        for fn, args in ((logitless.linear_cross_entropy, (x, w, t)), (logitless.linear_log_probs, (x, w, t)),
+                         (logitless.linear_logsumexp, (x, w))):
+            with pytest.raises(err, match="workspace_bytes"):
+                fn(*args, workspace_bytes=bad, backend="triton")
 
 
 def test_module_running_vocab_order():
@@ -670,6 +723,23 @@ def test_gpu_deterministic():
         loss = logitless.linear_cross_entropy(xo, wo, head.target, backend="triton", deterministic=True)
         runs.append(torch.autograd.grad(loss, (xo, wo)))
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen3-small", "llama3-8b"])
+def test_gpu_workspace_bytes(shape):
+    # A budget that gives the dx accumulator its own buffer and a 256 MiB scratch: the same loss and gradients as
+    # the lean default up to float32 summation order, at the full shape.
+    N, D, V = SHAPES[shape]
+    head = data.uniform(N, D, V, device="cuda", seed=5)
+    runs = []
+    for budget in (None, 4 * N * D + (256 << 20)):
+        xo, wo = leaves(head.input, head.weight)
+        loss = logitless.linear_cross_entropy(xo, wo, head.target, backend="triton", workspace_bytes=budget)
+        runs.append((loss, *torch.autograd.grad(loss, (xo, wo))))
+        del xo, wo
+    for name, a, r in zip(("loss", "d_input", "d_weight"), *runs, strict=True):
+        assert _rows_rel_err(a, r) < 2e-3, name
 
 
 @pytest.mark.gpu

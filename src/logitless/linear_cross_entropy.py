@@ -26,17 +26,17 @@ def _kernels():
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
-                 "float skip_threshold) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "float skip_threshold, int? workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-              skip_threshold):
+              skip_threshold, workspace_bytes):
     """(m, logs, zt, sw, ent), each (N,) float32, and the per-(token block, tile) log-sum-exp maxima that the
     backward's skipping needs (empty unless want_tiles); lse = m + logs and sw = sum_j w_j (z_j - m). For autograd
     the row max m is a constant offset (every use of these statistics is invariant to shifting it), so its gradient
-    is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order) and skip_threshold are for the
-    backward."""
+    is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold and workspace_bytes
+    are for the backward."""
     lh = _kernels()
     tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
@@ -48,7 +48,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
 
 @_stats_op.register_fake
 def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-      skip_threshold):
+      skip_threshold, workspace_bytes):
     tiles = (x.new_empty(_kernels().tile_grid(x, weight), dtype=torch.float32)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float32))
     return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles)
@@ -56,25 +56,27 @@ def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, wan
 
 _GRAD_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, Tensor m, Tensor logs, "
                 "Tensor A, Tensor? B, Tensor? C, Tensor? E, float? softcap, float inv_temp, bool need_dx, "
-                "bool need_dw, bool need_db, Tensor? perm, Tensor? tile_lse, float skip_threshold) "
+                "bool need_dw, bool need_db, Tensor? perm, Tensor? tile_lse, float skip_threshold, "
+                "int? workspace_bytes) "
                 "-> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
 def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-             need_db, perm, tile_lse, skip_threshold):
+             need_db, perm, tile_lse, skip_threshold, workspace_bytes):
     """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty.
     With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                      inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                                     perm=perm, tile_lse=tile_lse, skip_threshold=skip_threshold)
+                                     perm=perm, tile_lse=tile_lse, skip_threshold=skip_threshold,
+                                     workspace_bytes=workspace_bytes)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
 
 
 @_grad_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold):
+      perm, tile_lse, skip_threshold, workspace_bytes):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -82,25 +84,26 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 
 
 def _stats_setup_context(ctx, inputs, output):
-    x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau = inputs
+    (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
+     ws) = inputs
     m, logs, _, _, ent, tiles = output
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
                           tiles if want_tiles and x.shape[0] != 0 else None)
-    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau)
+    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws)
 
 
 def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles):
     x, weight, bias, target, class_weight, m, logs, ent, perm, tiles = ctx.saved_tensors
-    softcap, inv_temp, want_smooth, want_entropy, tau = ctx.opts
+    softcap, inv_temp, want_smooth, want_entropy, tau, ws = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
-        return (None,) * 12
+        return (None,) * 13
     A, B, C, E = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                    g_sw if want_smooth else None, g_ent if want_entropy else None)
     dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                          need_dx, need_dw, need_db, perm, tiles, tau)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 9
+                          need_dx, need_dw, need_db, perm, tiles, tau, ws)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 10
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
@@ -158,6 +161,16 @@ def check_skip_options(skip_threshold, vocab_order, num_classes: int, device) ->
                          f"got {vocab_order!r}")
 
 
+def check_workspace(workspace_bytes) -> None:
+    """TypeError/ValueError unless workspace_bytes is None or a non-negative Python int."""
+    if workspace_bytes is None:
+        return
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int):
+        raise TypeError(f"workspace_bytes must be None or a Python int (bytes), got {type(workspace_bytes).__name__}")
+    if workspace_bytes < 0:
+        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
+
+
 def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
     """(V,) float32 count of each class among the non-ignored targets, on the targets' device, without a host sync
     (no bincount: its output size would need one)."""
@@ -184,10 +197,11 @@ def running_class_counts(counts, target: torch.Tensor, num_classes: int, ignore_
     return counts
 
 
-def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_index, bounded: bool):
+def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_index, bounded: bool,
+               workspace_bytes=None):
     """(perm, want_tiles, threshold) for the Triton path: tiles are recorded, and the vocabulary ordered, only when
     the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
-    probability mass bounds, tiles that allow it)."""
+    probability mass bounds, tiles that allow it). The order depends on the backward's workspace_bytes."""
     x, w = args.x, args.weight
     tau = DEFAULT_SKIP_THRESHOLD if skip_threshold is None else float(skip_threshold)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, args.bias))
@@ -195,20 +209,20 @@ def skip_setup(args: _validate.HeadArgs, skip_threshold, vocab_order, ignore_ind
         return None, False, 0.0
     perm = None
     if isinstance(vocab_order, torch.Tensor):
-        perm = _kernels().vocab_order(vocab_order.detach(), x, w)
+        perm = _kernels().vocab_order(vocab_order.detach(), x, w, workspace_bytes)
     elif vocab_order == "batch" and args.target is not None:
-        perm = _kernels().vocab_order(class_counts(args.target, w.shape[0], ignore_index), x, w)
+        perm = _kernels().vocab_order(class_counts(args.target, w.shape[0], ignore_index), x, w, workspace_bytes)
     return perm, True, tau
 
 
 def head_stats(args: _validate.HeadArgs, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm=None,
-               want_tiles=False, skip_threshold=0.0):
+               want_tiles=False, skip_threshold=0.0, *, workspace_bytes=None):
     """Per-row statistics (m, logs, zt, sw, ent) of a validated head, through the Triton kernels (differentiable);
-    perm / want_tiles / skip_threshold from skip_setup."""
+    perm / want_tiles / skip_threshold from skip_setup; workspace_bytes for the backward (check_workspace)."""
     cw = None if class_weight is None else class_weight.float().contiguous()
     return _stats_op(args.x, args.weight, args.bias, args.target, cw, None if softcap is None else float(softcap),
                      float(inv_temp), bool(want_smooth), bool(want_entropy), perm, bool(want_tiles),
-                     float(skip_threshold))[:5]
+                     float(skip_threshold), workspace_bytes)[:5]
 
 
 def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
@@ -242,6 +256,7 @@ def linear_cross_entropy(
     deterministic: bool = False,
     skip_threshold: float | None = None,
     vocab_order: str | torch.Tensor = "none",
+    workspace_bytes: int | None = None,
     process_group=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` against ``target``, never building the logits.
@@ -279,6 +294,14 @@ def linear_cross_entropy(
             tiles: "none" (default), "batch" (by the counts of this batch's targets), or a (V,) tensor of per-class
             counts (e.g. kept across steps; ``LinearCrossEntropyLoss(vocab_order="running")`` does that). The
             result does not depend on it beyond rounding; an order costs time (its W rows are gathered).
+        workspace_bytes: memory the Triton backward may allocate for its workspaces, beyond a few float32 values
+            per token. ``None`` (default): 8 MiB, the lean setting, where the float32 accumulator of the input's
+            gradient borrows rows of the weight's gradient (bfloat16/float16) that a second pass computes
+            afterwards, recomputing their logits. At least ``4 * N * D`` bytes more than 8 MiB (N tokens, D
+            features) give the accumulator its own buffer, which removes that second pass; the rest widens the
+            vocabulary chunks. On an H100 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward +
+            backward 0-16% faster (BENCHMARKS.md). The result does not depend on it beyond float32 summation
+            order. Ignored on the PyTorch path and with ``process_group``.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.
@@ -302,20 +325,23 @@ def linear_cross_entropy(
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     weight = _validate.check_class_weight(weight, linear_weight.shape[0], input.device)
     check_skip_options(skip_threshold, vocab_order, linear_weight.shape[0], input.device)
+    check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_cross_entropy")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
         return _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
-                           vocab_order)
+                           vocab_order, workspace_bytes)
     return reference.lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
 
 
 def _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
-                vocab_order):
+                vocab_order, workspace_bytes=None):
     V = args.weight.shape[0]
     class_w = None if weight is None else weight.float()
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
-    skip = skip_setup(args, skip_threshold, vocab_order, ignore_index, bounded=label_smoothing == 0.0)
-    m, logs, zt, sw, _ = head_stats(args, class_w, softcap, 1.0, label_smoothing > 0.0, False, *skip)
+    skip = skip_setup(args, skip_threshold, vocab_order, ignore_index, bounded=label_smoothing == 0.0,
+                      workspace_bytes=workspace_bytes)
+    m, logs, zt, sw, _ = head_stats(args, class_w, softcap, 1.0, label_smoothing > 0.0, False, *skip,
+                                    workspace_bytes=workspace_bytes)
     valid, w_t, w_sum = reference.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, V, m.dtype)
     # sw is taken relative to the row max, so ref = m.
     per_token = reference.ce_loss_from_stats(m, logs, zt, sw, m, valid, w_t, w_sum, label_smoothing, z_loss, V)

@@ -8,21 +8,23 @@ import torch
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
-from .linear_cross_entropy import check_kernel_dtype, check_skip_options, head_stats, skip_setup
+from .linear_cross_entropy import check_kernel_dtype, check_skip_options, check_workspace, head_stats, skip_setup
 
 
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...,
-                     skip_threshold: float | None = ..., process_group=...) -> torch.Tensor: ...
+                     skip_threshold: float | None = ..., workspace_bytes: int | None = ...,
+                     process_group=...) -> torch.Tensor: ...
 
 
 @overload
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...,
-                     skip_threshold: float | None = ..., process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     skip_threshold: float | None = ..., workspace_bytes: int | None = ...,
+                     process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_log_probs(
@@ -37,6 +39,7 @@ def linear_log_probs(
     return_entropy: bool = False,
     backend: str = "auto",
     skip_threshold: float | None = None,
+    workspace_bytes: int | None = None,
     process_group=None,
 ):
     """Per-token ``log_softmax(z / temperature)[target]`` of ``z = F.linear(input, linear_weight, linear_bias)``.
@@ -50,6 +53,7 @@ def linear_log_probs(
         skip_threshold: as in :func:`logitless.linear_cross_entropy` (the Triton backward may skip cold tiles that
             hold at most this fraction of a row's probability mass; default: no skipping); nothing is skipped with
             ``return_entropy``.
+        workspace_bytes: memory the Triton backward may allocate, as in :func:`logitless.linear_cross_entropy`.
         process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
             :mod:`logitless.distributed`.
 
@@ -67,11 +71,13 @@ def linear_log_probs(
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
+    check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_log_probs")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
         # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
         skip = skip_setup(args, skip_threshold, "none", ignore_index, bounded=not return_entropy)
-        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip)
+        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip,
+                                         workspace_bytes=workspace_bytes)
         valid = args.target != ignore_index
         zero = torch.zeros_like(logs)
         logp = torch.where(valid, (zt - m) - logs, zero).reshape(args.lead_shape)
@@ -89,10 +95,12 @@ def linear_logsumexp(
     softcap: float | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
+    workspace_bytes: int | None = None,
     process_group=None,
 ) -> torch.Tensor:
     """Per-row ``logsumexp(z / temperature)`` of ``z = F.linear(input, linear_weight, linear_bias)`` (softcapped
-    first when ``softcap`` is set), float32, of the input's leading shape. Differentiable."""
+    first when ``softcap`` is set), float32, of the input's leading shape. Differentiable; ``workspace_bytes`` as
+    in :func:`logitless.linear_cross_entropy`."""
     if process_group is not None:
         from . import distributed
 
@@ -100,8 +108,10 @@ def linear_logsumexp(
                                             temperature=temperature, backend=backend, process_group=process_group)
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
+    check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_logsumexp")
     if chosen == "triton" and check_kernel_dtype(args.x, backend):
-        m, logs = head_stats(args, None, softcap, 1.0 / float(temperature), False, False)[:2]
+        m, logs = head_stats(args, None, softcap, 1.0 / float(temperature), False, False,
+                             workspace_bytes=workspace_bytes)[:2]
         return (m + logs).reshape(args.lead_shape)
     return reference.logsumexp_torch(args, softcap, temperature)

@@ -29,18 +29,21 @@ class _LossOptions(torch.nn.Module):
 
 class LinearCrossEntropyLoss(_LossOptions):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
-    linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold`` and ``vocab_order`` are
-    the function's (no skipping by default); ``vocab_order="running"`` orders the vocabulary by target counts kept
-    across training steps (the ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device)."""
+    linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold``, ``vocab_order`` and
+    ``workspace_bytes`` are the function's (no skipping, 8 MiB by default); ``vocab_order="running"`` orders the
+    vocabulary by target counts kept across training steps (the ``vocab_counts`` buffer, decayed by 0.99 per step,
+    updated on the device)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "none"):
+                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "none",
+                 workspace_bytes: int | None = None):
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
         super().__init__(weight, reduction, ignore_index, label_smoothing, z_loss, softcap, backend)
         self.skip_threshold = skip_threshold
         self.vocab_order = vocab_order
+        self.workspace_bytes = workspace_bytes
         self.register_buffer("vocab_counts", None)
 
     def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
@@ -53,9 +56,10 @@ class LinearCrossEntropyLoss(_LossOptions):
         return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                                    backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order)
+                                    backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order,
+                                    workspace_bytes=self.workspace_bytes)
 
-    _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order")
+    _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order", "workspace_bytes")
 
 
 class CrossEntropyLoss(_LossOptions):

@@ -149,6 +149,29 @@ def _logitless(backend: str) -> Provider:
     )
 
 
+# The backward's memory-for-speed setting: the float32 dx accumulator in a buffer of its own (4 N D bytes) and a
+# 256 MiB scratch (workspace_bytes; notes/linear_head.md, v12).
+WORKSPACE_EXTRA = 256 << 20
+
+
+def _logitless_workspace() -> Provider:
+    import logitless
+
+    base = _logitless("triton")
+
+    def train():
+        def fn(x, w, t):
+            budget = 4 * x.shape[0] * x.shape[1] + WORKSPACE_EXTRA
+            return logitless.linear_cross_entropy(x, w, t, backend="triton", workspace_bytes=budget)
+        return fn
+
+    return Provider(
+        name="logitless-triton-ws",
+        description="logitless, backend='triton', workspace_bytes=4 N D + 256 MiB (fwd+bwd only)",
+        jobs={"train": train}, unavailable=base.unavailable, cpu_default=False, version=base.version,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PyTorch: eager, torch.compile, F.linear_cross_entropy
 
@@ -224,6 +247,7 @@ def _registry() -> list[Provider]:
     cce_import = _needs_module("cut_cross_entropy", "cut-cross-entropy")
     return [
         _logitless("triton"),
+        _logitless_workspace(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
                  {job: functools.partial(lambda j: _EAGER[j], job) for job in _EAGER},

@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import _validate
 from .._dispatch import BACKENDS
-from ..linear_cross_entropy import linear_cross_entropy
+from ..linear_cross_entropy import check_workspace, linear_cross_entropy
 
 # Config attributes the forwards of transformers' causal LMs apply to the logits; each is used only when the
 # model's forward source mentions it (or when that source cannot be read).
@@ -262,7 +262,7 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     lce = functools.partial(
         linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
         softcap=softcap, label_smoothing=plan.options["label_smoothing"], z_loss=plan.options["z_loss"],
-        backend=plan.options["backend"],
+        backend=plan.options["backend"], workspace_bytes=plan.options["workspace_bytes"],
     )
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -314,6 +314,7 @@ def patch(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
     backend: str = "auto",
+    workspace_bytes: int | None = None,
 ) -> nn.Module:
     """Make this causal-LM instance compute its training loss with ``linear_cross_entropy``, never building logits.
 
@@ -331,6 +332,7 @@ def patch(
         ignore_index: label value that is ignored, also used to pad the shifted labels; a forward call's own
             ``ignore_index=`` keyword wins, as in transformers.
         backend: "auto", "triton" or "torch", as in ``linear_cross_entropy``.
+        workspace_bytes: memory the Triton backward may allocate, as in ``linear_cross_entropy`` (None: 8 MiB).
 
     Returns:
         ``model`` itself.
@@ -339,6 +341,7 @@ def patch(
         TypeError / ValueError / NotImplementedError naming what about the model or an option is not supported.
     """
     _validate.check_options(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
+    check_workspace(workspace_bytes)
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, nn.Module):
@@ -346,7 +349,7 @@ def patch(
     if _installed_plan(model) is not None:
         unpatch(model)
     options = dict(z_loss=float(z_loss), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
-                   backend=backend)
+                   backend=backend, workspace_bytes=workspace_bytes)
     plan = _make_plan(model, options)
     # A partial rather than a closure or a bound method: copy.deepcopy (TRL's reference model, EMA copies) then gives
     # the copy a forward bound to the copy and its own plan.

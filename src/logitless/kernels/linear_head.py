@@ -59,8 +59,9 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-# Bytes of the one scratch buffer the backward may allocate (dL/dz of a vocabulary chunk when it cannot borrow a
-# gradient buffer, and split-K partials). Tests shrink it to force many chunks.
+# Bytes of the one scratch buffer the backward may allocate by default (dL/dz of a vocabulary chunk when it cannot
+# borrow a gradient buffer, and split-K partials). Tests shrink it to force many chunks. A caller's larger
+# workspace_bytes (_workspace) buys a larger scratch and, past 4 N D bytes more, a float32 dx accumulator of its own.
 SCRATCH_BYTES = 8 << 20
 # Tests set this: every output and workspace starts as NaN, so an element that is never written shows up.
 DEBUG_POISON = False
@@ -826,24 +827,28 @@ def tile_grid(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
     return cdiv(x.shape[0], cfg.block_n), cdiv(w.shape[0], cfg.block_v)
 
 
-def _segments(N: int, V: int, D: int, elt: int, cfg: Config) -> list[int]:
+def _segments(N: int, V: int, D: int, elt: int, cfg: Config, ws: _Workspace) -> list[int]:
     # Boundaries of the vocabulary ranges an order may permute within (the positions of a range hold the classes of
     # that range). With bf16/fp16 inputs the backward keeps its workspaces in rows of dW that are not written yet:
     # the dx accumulator in the rows after the first pass, and each second-pass chunk's dz in the rows after the
     # chunk. A chunk may therefore write back only its own rows.
-    if elt == 4 or V * D < 2 * N * D + 8:
+    if elt == 4 or ws.own_acc or V * D < 2 * N * D + 8:
         return [0, V]
     _, dw_end = _acc_region(N, V, D, cfg, True)
-    return [0, dw_end] + [v1 for _, v1, _ in _second_pass(N, V, D, elt, cfg, dw_end, True)]
+    return [0, dw_end] + [v1 for _, v1, _ in _second_pass(N, V, D, elt, cfg, dw_end, True, ws.scratch)]
 
 
-def vocab_order(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def vocab_order(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, workspace_bytes: int | None = None
+                ) -> torch.Tensor:
     """(V,) int32 order of the vocabulary for per-class counts (V,): the classes of each range of _segments by
-    decreasing count (ties by index), so that frequent classes share tiles. Device ops only, no host sync."""
+    decreasing count (ties by index), so that frequent classes share tiles. Device ops only, no host sync. The
+    backward that uses it must get the same workspace_bytes (the ranges depend on where its workspaces live)."""
     V = w.shape[0]
+    N, D = x.shape
     by_count = torch.sort(counts.reshape(V), descending=True, stable=True).indices
     key = torch.argsort(by_count)  # rank of each class in the global order
-    for bound in _segments(x.shape[0], V, x.shape[1], x.element_size(), _config(x))[1:-1]:
+    ws = _workspace(N, D, x.element_size(), workspace_bytes)
+    for bound in _segments(N, V, D, x.element_size(), _config(x), ws)[1:-1]:
         key[bound:] += V
     return torch.sort(key).indices.to(torch.int32)
 
@@ -1062,9 +1067,30 @@ def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
     return cols // block * block if cols >= block else max(cols, 1)
 
 
-def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False) -> int:
-    # Aligned, a chunk of one tile may need more than SCRATCH_BYTES (N > SCRATCH_BYTES / (elt * block)).
-    return _round_chunk(max(1, SCRATCH_BYTES // max(1, N * elt)), block, aligned)
+def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: int | None = None) -> int:
+    # Classes of dz in a scratch of `scratch` bytes (SCRATCH_BYTES by default). Aligned, a chunk of one tile may
+    # need more than that (N > scratch / (elt * block)).
+    scratch = SCRATCH_BYTES if scratch is None else scratch
+    return _round_chunk(max(1, scratch // max(1, N * elt)), block, aligned)
+
+
+class _Workspace(NamedTuple):
+    scratch: int  # bytes of the scratch buffer (allocated when first needed)
+    own_acc: bool  # allocate the float32 dx accumulator (4 N D bytes) instead of borrowing dW rows
+
+
+def _workspace(N: int, D: int, elt: int, workspace_bytes: int | None) -> _Workspace:
+    """How the backward spends a caller's workspace_bytes (None: SCRATCH_BYTES, the lean default). With bf16/fp16
+    inputs, a budget of at least 4 N D + SCRATCH_BYTES first buys the float32 dx accumulator its own buffer: the
+    dW rows it would borrow no longer wait for a second pass that recomputes their logits (2N of the V classes).
+    What is left (or all of it) enlarges the scratch: wider vocabulary chunks when the dW rows run out. The
+    accumulator is allocated in any case when there is no dW to borrow (a frozen head, or V < 2N)."""
+    if workspace_bytes is None or workspace_bytes <= SCRATCH_BYTES:
+        return _Workspace(SCRATCH_BYTES, False)
+    acc = 4 * N * D
+    if elt != 4 and workspace_bytes >= acc + SCRATCH_BYTES:
+        return _Workspace(workspace_bytes - acc, True)
+    return _Workspace(workspace_bytes, False)
 
 
 def _acc_region(N: int, V: int, D: int, cfg: Config, aligned: bool) -> tuple[int, int]:
@@ -1074,10 +1100,12 @@ def _acc_region(N: int, V: int, D: int, cfg: Config, aligned: bool) -> tuple[int
     return start, (end // cfg.block_v * cfg.block_v if aligned else end)
 
 
-def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned: bool) -> list:
+def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned: bool, scratch: int | None = None
+                 ) -> list:
     """(v0, v1, dz_in_dw) chunks of the second pass over dW rows [v0, V): dL/dz of a chunk goes into dW rows that are
-    still unwritten (after the chunk) while they last (N c <= (V - v0 - c) D), then into the scratch."""
-    scratch_cols = _scratch_cols(N, elt, cfg.block_v, aligned)
+    still unwritten (after the chunk) while they last (N c <= (V - v0 - c) D), then into the scratch (`scratch`
+    bytes)."""
+    scratch_cols = _scratch_cols(N, elt, cfg.block_v, aligned, scratch)
     chunks = []
     while v0 < V:
         fits = _round_chunk((V - v0) * D // (N + D), cfg.block_v)
@@ -1087,10 +1115,12 @@ def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned
     return chunks
 
 
-def _plan(x, dx, dw, N, V, D, cfg, aligned) -> _Plan:
-    """Where the backward's workspaces live. Only O(N) plus SCRATCH_BYTES is allocated when both gradients are
-    wanted in bfloat16/float16 and V >= 2N (the usual LM head), or for float32 inputs."""
-    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned)
+def _plan(x, dx, dw, N, V, D, cfg, aligned, ws: _Workspace | None = None) -> _Plan:
+    """Where the backward's workspaces live. Only O(N) plus the scratch (SCRATCH_BYTES by default) is allocated when
+    both gradients are wanted in bfloat16/float16 and V >= 2N (the usual LM head) and ws does not ask for an own
+    accumulator, or for float32 inputs."""
+    ws = ws or _Workspace(SCRATCH_BYTES, False)
+    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned, ws.scratch)
     if dx is None:  # weight (and/or bias) gradient only
         return _Plan(None, scratch_cols, None, V, False, V * D if dw is not None else 0)
     if x.dtype == torch.float32:  # dx is float32: accumulate in place
@@ -1100,7 +1130,7 @@ def _plan(x, dx, dw, N, V, D, cfg, aligned) -> _Plan:
     dz_main = dx.view(-1)[: N * chunk].view(N, chunk) if scratch_cols <= chunk <= D else None
     if dz_main is None:
         chunk = scratch_cols
-    if dw is not None and V * D >= 2 * N * D + 8:
+    if dw is not None and V * D >= 2 * N * D + 8 and not ws.own_acc:
         # The float32 dx accumulator takes the bytes of the last 2N rows of dW (16-byte aligned); those dW rows
         # are computed after dx is final.
         start, dw_end = _acc_region(N, V, D, cfg, aligned)
@@ -1138,10 +1168,11 @@ def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool,
 
 
 def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0):
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None):
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring.
-    perm and tile_lse are the forward's (same x and w); pairs are skipped only with skip_threshold > 0 and without
-    a B or E term (their error is not bounded by the probability mass alone)."""
+    perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
+    only with skip_threshold > 0 and without a B or E term (their error is not bounded by the probability mass
+    alone). workspace_bytes: what the workspaces may take beyond O(N) (_workspace; None: SCRATCH_BYTES)."""
     N, D = x.shape
     V = w.shape[0]
     need_db = bool(need_db and b is not None)
@@ -1157,7 +1188,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     has_perm = perm is not None
     aligned = has_perm or tile_lse is not None
     skip = (tile_lse is not None and skip_threshold > 0 and B is None and E is None and skip_supported(x))
-    plan = _plan(x, dx, dw, N, V, D, cfg, aligned)
+    ws = _workspace(N, D, x.element_size(), workspace_bytes)
+    plan = _plan(x, dx, dw, N, V, D, cfg, aligned, ws)
     dummy = _dummy(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     dot = _dot_flags(x)
@@ -1173,14 +1205,14 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     lists = (sp.list_n, sp.pre_n, sp.list_v, sp.pre_v) if skip else (dummy,) * 4
     dz_tma = _use_tma(cfg, x, w, perm)
     dz_x, dz_w = _operands(x, w, dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
-    scratch = []  # one lazily allocated buffer of SCRATCH_BYTES (more only if one row of N tokens needs more)
+    scratch = []  # one lazily allocated buffer of ws.scratch bytes (more only if one row of N tokens needs more)
     x_desc = []  # the gradient products' descriptor of x, made once
 
     def scratch_view(shape, dtype):
         n = shape[0] * shape[1]
         nbytes = n * dtype.itemsize
         if not scratch or scratch[0].numel() * 4 < nbytes:
-            scratch[:] = [_new(cdiv(max(SCRATCH_BYTES, nbytes), 4), **f32)]
+            scratch[:] = [_new(cdiv(max(ws.scratch, nbytes), 4), **f32)]
         return scratch[0].view(dtype)[:n].view(shape)
 
     def dz_pass(v0, v1, dz, with_db):
@@ -1215,7 +1247,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         n_out = cdiv(rows, cfg.block_m) * cdiv(D, cfg.block_d)
         n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.block_d) if do_dx else 0
         splits, k_per_split, part = 1, N, None
-        room_bytes = SCRATCH_BYTES if scratch_free else (0 if room is None else room.numel() * room.element_size())
+        room_bytes = ws.scratch if scratch_free else (0 if room is None else room.numel() * room.element_size())
         if do_dw and do_dx and scratch_free and cfg.balance:
             # A few dW tiles, each reducing over all N tokens, next to many short dx tiles (small D): the dW tiles
             # would set the kernel's time while most multiprocessors idle. Split their reduction (float32 partials
@@ -1294,7 +1326,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         dx.copy_(plan.dx_acc)
     # Second pass: the dW rows that held the dx accumulator.
     if need_dw and plan.dw_end < V:
-        for v0, v1, in_dw in _second_pass(N, V, D, x.element_size(), cfg, plan.dw_end, aligned):
+        for v0, v1, in_dw in _second_pass(N, V, D, x.element_size(), cfg, plan.dw_end, aligned, ws.scratch):
             room = None
             if in_dw:
                 dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
