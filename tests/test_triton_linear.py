@@ -617,7 +617,7 @@ def test_workspace_bytes_log_probs_and_module(monkeypatch):
 
 def test_bad_workspace_bytes():
     x, w, _, t = case(torch.bfloat16)
-    for bad, err in ((-1, ValueError), (1.5, TypeError), (True, TypeError), ("8MB", TypeError)):
+    for bad, err in ((-1, ValueError), (1 << 63, ValueError), (1.5, TypeError), (True, TypeError), ("8MB", TypeError)):
         for fn, args in ((logitless.linear_cross_entropy, (x, w, t)), (logitless.linear_log_probs, (x, w, t)),
                          (logitless.linear_logsumexp, (x, w))):
             with pytest.raises(err, match="workspace_bytes"):

@@ -167,8 +167,8 @@ def check_workspace(workspace_bytes) -> None:
         return
     if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int):
         raise TypeError(f"workspace_bytes must be None or a Python int (bytes), got {type(workspace_bytes).__name__}")
-    if workspace_bytes < 0:
-        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
+    if not 0 <= workspace_bytes < 1 << 63:
+        raise ValueError(f"workspace_bytes must be in [0, 2**63), got {workspace_bytes}")
 
 
 def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
