@@ -83,7 +83,6 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp",
             out[f"diff {name}"] = {k: rel_diff(u, v)
                                    for k, u, v in zip(("logp", "loss", "dx", "dw"), first, got, strict=True)}
         del got
-    out["diff"] = out["diff B"]
     del first
     steps = [c for c in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)) if c[0] in cases]
     times = {(name, case): [] for name in versions for case, _ in steps}

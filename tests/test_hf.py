@@ -299,8 +299,17 @@ def test_bad_options():
     with pytest.raises(TypeError, match="workspace_bytes"):
         logitless.patch(model, workspace_bytes=1.5)
     assert "forward" not in vars(model)
-    # a valid budget is passed on to linear_cross_entropy (the PyTorch path here, which ignores it)
-    assert torch.isfinite(logitless.patch(model, workspace_bytes=64 << 20)(**batch()).loss)
+
+def test_workspace_bytes_reaches_the_loss(monkeypatch):
+    # patch(workspace_bytes=...) is passed on to linear_cross_entropy (the PyTorch path here, which ignores it)
+    from logitless.integrations import hf
+
+    seen = []
+    lce = hf.linear_cross_entropy
+    monkeypatch.setattr(hf, "linear_cross_entropy",
+                        lambda *a, **kw: seen.append(kw["workspace_bytes"]) or lce(*a, **kw))
+    assert torch.isfinite(logitless.patch(model_copy("llama"), workspace_bytes=64 << 20)(**batch()).loss)
+    assert seen == [64 << 20]
 
 
 def test_refuses_what_it_cannot_reproduce():

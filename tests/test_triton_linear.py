@@ -214,11 +214,12 @@ WORKSPACES = {
     "bias_only": (torch.bfloat16, 37, 45, 300, 64, "b", 2),
     # V < 2N: the dx accumulator does not fit in dW and is allocated.
     "small_vocab": (torch.bfloat16, 70, 80, 100, 64, "xwb", 2),
-    # workspace_bytes of 4 N D bytes more than 3 scratches: the dx accumulator gets its own buffer (no second pass),
-    # the scratch is 3 times the default.
-    "own_acc": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2, 4 * 37 * 130 + 3 * 37 * 32 * 2),
-    # ... only 3 scratches: the accumulator stays in dW, the chunks in the scratch are 3 times wider.
-    "wide_scratch": (torch.bfloat16, 37, 130, 300, 32, "xwb", 2, 3 * 37 * 32 * 2),
+    # workspace_bytes of 4 N D bytes more than 4 scratches: the dx accumulator gets its own buffer (no second pass),
+    # the scratch is 4 times the default.
+    "own_acc": (torch.bfloat16, 37, 130, 700, 32, "xwb", 2, 4 * 37 * 130 + 4 * 37 * 32 * 2),
+    # ... only 4 scratches: the accumulator stays in dW, the second pass's last chunk in the scratch is wider (one
+    # chunk of 124 classes where the default makes two).
+    "wide_scratch": (torch.bfloat16, 37, 130, 700, 32, "xwb", 2, 4 * 37 * 32 * 2),
 }
 
 
@@ -274,7 +275,7 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
         # every dW row in the first pass with an accumulator of its own; else the accumulator in dW's last rows
         own = plan.dx_acc.untyped_storage().data_ptr() != ours_grads[1].untyped_storage().data_ptr()
         assert own == (plan.dw_end == v) == (name == "own_acc")
-        assert workspaces == [(3 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")]
+        assert workspaces == [(4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")]
 
 
 def test_balanced_split():
@@ -562,20 +563,50 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 # and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
                                         ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none"),
-                                        ("own_acc", "batch"), ("wide_scratch", "batch")])
+                                        ("own_acc", "counts"), ("wide_scratch", "counts")])
 def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
-    wide = []
-    first_pass = lh._first_pass
+    wide, orders, second = [], [], []
+    first_pass, make_order, second_pass = lh._first_pass, lh.vocab_order, lh._second_pass
     monkeypatch.setattr(lh, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
+    monkeypatch.setattr(lh, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
+    monkeypatch.setattr(lh, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
     monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
+    if order == "counts":  # per-class counts that reorder every range of the vocabulary
+        order = torch.rand(v, generator=torch.Generator().manual_seed(3)).to(DEV)
     plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
                           vocab_order=order, workspace_bytes=budget[0] if budget else None)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
-    assert any(dz_at is not None for chunks in wide for *_, dz_at in chunks) == (order == "none")
+    assert any(dz_at is not None for chunks in wide for *_, dz_at in chunks) == (isinstance(order, str)
+                                                                                 and order == "none")
+    # The order was made for the backward's workspaces: each second-pass chunk (it writes back only its own rows)
+    # holds its own classes.
+    for perm in orders:
+        for v0, v1, _ in (c for chunks in second for c in chunks):
+            assert torch.equal(perm[v0:v1].sort().values.cpu().long(), torch.arange(v0, v1)), (v0, v1)
+
+
+@pytest.mark.parametrize("budget_mib", [None, 64, 300])
+def test_vocab_order_follows_workspace(budget_mib, monkeypatch):
+    # At llama3-8b's shape with the GPU tiles (planning only, meta tensors): a larger scratch moves the second
+    # pass's chunk boundaries (64 MiB) or removes the pass (300 MiB: the accumulator's own buffer). The order made for
+    # that budget keeps each of the backward's second-pass chunks on its own classes.
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
+    n, d, v = 16384, 4096, 128256
+    budget = None if budget_mib is None else budget_mib << 20
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
+    perm = lh.vocab_order(torch.rand(v, generator=torch.Generator().manual_seed(0)), x, w, budget)
+    ws = lh._workspace(n, d, 2, budget)
+    plan = lh._plan(x, torch.empty(n, d, **meta), w, n, v, d, lh._GPU_CONFIG, True, ws)
+    chunks = lh._second_pass(n, v, d, 2, lh._GPU_CONFIG, plan.dw_end, True, ws.scratch)
+    assert (plan.dw_end == v) == (budget_mib == 300) and bool(chunks) == (budget_mib != 300)
+    for v0, v1, _ in chunks + [(0, plan.dw_end, None)]:
+        assert torch.equal(perm[v0:v1].sort().values.long(), torch.arange(v0, v1)), (v0, v1)
+    assert not torch.equal(perm.long(), torch.arange(v))
 
 
 def test_skip_log_probs(monkeypatch, small_tiles):
