@@ -67,7 +67,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp", "fwd", "fwdbwd")) -> dict:
-    N, D, V = SHAPES[shape]
+    N, D, V = SHAPES[shape] if shape in SHAPES else (int(n) for n in shape.split("x"))
     head = data.uniform(N, D, V, device="cuda")
     fwd, logp, fwdbwd = head_steps(head.input, head.weight, head.target)
 
@@ -144,7 +144,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="linear_head", choices=("linear_head", "cross_entropy"))
     ap.add_argument("--old", required=True, help="another version of src/logitless/kernels/<kernels>.py")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="preset names or NxDxV, comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)

@@ -6,9 +6,13 @@ For each shape and call (linear_cross_entropy fwd+bwd, linear_log_probs without 
   host   wall-clock time to enqueue one call while the GPU is busy (one long sleep kernel queued first, and few
          enough calls that the driver's launch queue never fills): the host's own time;
   launches  kernels per call (torch profiler).
-Then cProfile of the host side of a few calls (top functions by own time).
+Then, on request, cProfile of the host side of a few calls (top functions by own time), and a breakdown of the host
+time of one call without the profiler's overhead (--breakdown): Triton's JIT entry (argument binding, cache lookup)
+and its launcher (tensor-descriptor packing and the driver call) timed per kernel by wrapping them, the host-made
+tensor descriptors, and the rest (our planner, PyTorch ops, autograd).
 
     PYTHONPATH=src python3 scripts/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
+        [--breakdown]
 """
 
 from __future__ import annotations
@@ -93,11 +97,73 @@ def measure(fn, reps):
     return gpu, free, host, launches
 
 
+def breakdown(fn, calls=2):
+    """Host time of one call of fn split by where it is spent (wall clock, GPU kept busy far ahead)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    spent: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    depth = [0]
+
+    def timed(key_of, orig):
+        def wrapper(*args, **kwargs):
+            key = key_of(args)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                depth[0] -= 1
+                spent[key] = spent.get(key, 0.0) + dt
+                counts[key] = counts.get(key, 0) + 1
+        return wrapper
+
+    import logitless.kernels.linear_head as lh
+
+    saved_lh = (lh.backward, lh.forward_stats)
+    lh.backward = timed(lambda a: "linear_head.backward (all of it)", saved_lh[0])
+    lh.forward_stats = timed(lambda a: "linear_head.forward_stats (all of it)", saved_lh[1])
+    saved = (JITFunction.run, CudaLauncher.__call__, TensorDescriptor.__dict__["from_tensor"])
+    JITFunction.run = timed(lambda a: f"jit {a[0].fn.__name__}", saved[0])
+    CudaLauncher.__call__ = timed(lambda a: "launcher (inside jit)", saved[1])
+    TensorDescriptor.from_tensor = staticmethod(timed(lambda a: "TensorDescriptor.from_tensor", saved[2].__func__))
+    try:
+        fn()
+        torch.cuda.synchronize()
+        spent.clear()
+        counts.clear()
+        _busy(100.0)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        total = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        JITFunction.run, CudaLauncher.__call__ = saved[0], saved[1]
+        lh.backward, lh.forward_stats = saved_lh
+        TensorDescriptor.from_tensor = saved[2]
+    jit = sum(v for k, v in spent.items() if k.startswith("jit "))
+    inner = sum(v for k, v in spent.items() if k.startswith("linear_head."))
+    rows = [("total", total, calls)] + sorted(((k, v, counts[k]) for k, v in spent.items()), key=lambda r: -r[1])
+    desc = spent.get("TensorDescriptor.from_tensor", 0.0)
+    rows.append(("launchers' own Python (planner, views, torch ops; inside linear_head, less jit and descriptors)",
+                 inner - jit - desc, calls))
+    rows.append(("outside linear_head (validation, torch.library op, autograd, loss ops)", total - inner, calls))
+    print("| where | ms per call | calls per call | us per call of it |")
+    print("| --- | ---: | ---: | ---: |")
+    for k, v, c in rows:
+        print(f"| {k} | {v * 1e3 / calls:.3f} | {c / calls:.0f} | {v * 1e6 / c:.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096,2048,32000;8192,896,151936;4096,4096,128256;16384,4096,128256")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | call | gpu ms | free ms | host ms | launches |")
@@ -107,6 +173,10 @@ def main():
         for name, fn in calls(N, D, V).items():
             gpu, free, host, launches = measure(fn, args.reps)
             print(f"| {N}, {D}, {V} | {name} | {gpu:.3f} | {free:.3f} | {host:.3f} | {launches} |", flush=True)
+        if args.breakdown:
+            for name, fn in calls(N, D, V).items():
+                print(f"\n## host time by place, {N}, {D}, {V}, {name}\n")
+                breakdown(fn)
         if args.cprofile:
             for name, fn in calls(N, D, V).items():
                 fn()
