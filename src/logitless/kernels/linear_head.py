@@ -1075,11 +1075,18 @@ def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
     return cols // block * block if cols >= block else max(cols, 1)
 
 
-def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: int | None = None) -> int:
+def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: int | None = None,
+                  wide: int | None = None) -> int:
     # Classes of dz in a scratch of `scratch` bytes (SCRATCH_BYTES by default). Aligned, a chunk of one tile may
-    # need more than that (N > scratch / (elt * block)).
+    # need more than that (N > scratch / (elt * block)). A caller's larger scratch widens the chunks up to `wide`
+    # classes (cfg.wide), never below what the default scratch gives: wider ones measured slower (H200, interleaved:
+    # 29.2 -> 28.5 ms at N, D, V = 4096, 4096, 128256 and 64.7 -> 63.4 ms at gemma2-2b with chunks of 32768 and
+    # 16384 classes capped to 8192; notes/linear_head.md, v13).
     scratch = SCRATCH_BYTES if scratch is None else scratch
-    return _round_chunk(max(1, scratch // max(1, N * elt)), block, aligned)
+    cols = max(1, scratch // max(1, N * elt))
+    if wide is not None and scratch > SCRATCH_BYTES:
+        cols = max(min(cols, wide), SCRATCH_BYTES // max(1, N * elt))
+    return _round_chunk(cols, block, aligned)
 
 
 class _Workspace(NamedTuple):
@@ -1113,7 +1120,7 @@ def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned
     """(v0, v1, dz_in_dw) chunks of the second pass over dW rows [v0, V): dL/dz of a chunk goes into dW rows that are
     still unwritten (after the chunk) while they last (N c <= (V - v0 - c) D), then into the scratch (`scratch`
     bytes)."""
-    scratch_cols = _scratch_cols(N, elt, cfg.block_v, aligned, scratch)
+    scratch_cols = _scratch_cols(N, elt, cfg.block_v, aligned, scratch, cfg.wide)
     chunks = []
     while v0 < V:
         fits = _round_chunk((V - v0) * D // (N + D), cfg.block_v)
@@ -1128,7 +1135,7 @@ def _plan(x, dx, dw, N, V, D, cfg, aligned, ws: _Workspace | None = None) -> _Pl
     both gradients are wanted in bfloat16/float16 and V >= 2N (the usual LM head) and ws does not ask for an own
     accumulator, or for float32 inputs."""
     ws = ws or _Workspace(SCRATCH_BYTES, False)
-    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned, ws.scratch)
+    scratch_cols = _scratch_cols(N, x.element_size(), cfg.block_v, aligned, ws.scratch, cfg.wide)
     if dx is None:  # weight (and/or bias) gradient only
         return _Plan(None, scratch_cols, None, V, False, V * D if dw is not None else 0)
     if x.dtype == torch.float32:  # dx is float32: accumulate in place
