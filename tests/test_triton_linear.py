@@ -813,3 +813,24 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
     assert seen[0][0] == 0 and seen[-1][1] == v
     assert all(a[1] == b[0] for a, b in itertools.pairwise(seen))
     assert any(dz_at is not None for *_, dz_at in chunks) == expect[aligned]
+
+
+def test_workspace_chunks_capped_at_wide(monkeypatch):
+    # Planning only (meta tensors, GPU tiles): a caller's scratch widens the first pass's chunks up to cfg.wide
+    # classes and no further (32768-class chunks measured slower), never below the default scratch's width.
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
+    cfg = lh._GPU_CONFIG
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    for n, d, v in ((4096, 4096, 128256), (8192, 2304, 256000), (512, 64, 32000)):
+        x = torch.empty(n, d, **meta)
+        widths = {}
+        for name, budget in (("default", None), ("ws", 4 * n * d + (256 << 20))):
+            ws = lh._workspace(n, d, 2, budget)
+            plan = lh._plan(x, torch.empty(n, d, **meta), torch.empty(v, d, **meta), n, v, d, cfg, False, ws)
+            chunks = lh._first_pass(n, v, d, cfg, plan, False, True)
+            widths[name] = max(v1 - v0 for v0, v1, _ in chunks)
+            assert chunks[0][0] == plan.dw_end % v and chunks[-1][1] in (v, plan.dw_end)
+        default_cols = lh._scratch_cols(n, 2, cfg.block_v)
+        assert widths["ws"] <= max(cfg.wide, default_cols), (n, widths)
+        assert lh._scratch_cols(n, 2, cfg.block_v, False, 256 << 20, cfg.wide) == max(
+            min(cfg.wide, (256 << 20) // (2 * n)) // cfg.block_v * cfg.block_v, default_cols)

@@ -1098,7 +1098,8 @@ def _workspace(N: int, D: int, elt: int, workspace_bytes: int | None) -> _Worksp
     """How the backward spends a caller's workspace_bytes (None: SCRATCH_BYTES, the lean default). With bf16/fp16
     inputs, a budget of at least 4 N D + SCRATCH_BYTES first buys the float32 dx accumulator its own buffer: the
     dW rows it would borrow no longer wait for a second pass that recomputes their logits (2N of the V classes).
-    What is left (or all of it) enlarges the scratch: wider vocabulary chunks when the dW rows run out. The
+    What is left (or all of it) enlarges the scratch: wider vocabulary chunks when the dW rows run out (up to
+    cfg.wide classes, _scratch_cols) and room for split partials. The
     accumulator is allocated in any case when there is no dW to borrow (a frozen head, or V < 2N)."""
     if workspace_bytes is None or workspace_bytes <= SCRATCH_BYTES:
         return _Workspace(SCRATCH_BYTES, False)
