@@ -79,10 +79,9 @@ def linear_log_probs(
         m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip,
                                          workspace_bytes=workspace_bytes)
         valid = args.target != ignore_index
-        zero = torch.zeros_like(logs)
-        logp = torch.where(valid, (zt - m) - logs, zero).reshape(args.lead_shape)
+        logp = torch.where(valid, (zt - m) - logs, 0.0).reshape(args.lead_shape)
         if return_entropy:
-            return logp, torch.where(valid, ent, zero).reshape(args.lead_shape)
+            return logp, torch.where(valid, ent, 0.0).reshape(args.lead_shape)
         return logp
     return reference.log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
 

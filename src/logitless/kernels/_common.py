@@ -1,5 +1,8 @@
 """Constants and host helpers shared by the kernel modules."""
 
+import functools
+
+import torch
 import triton.language as tl
 
 # log2(e): exponentials are computed as exp2(x * LOG2E) (one multiply and the hardware's EX2).
@@ -10,3 +13,11 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host-side grid and plan arithmetic. triton.cdiv is a JIT-aware wrapper in recent Triton
     releases (~2 us a call on the host): the backward's planner makes a few hundred such calls per step."""
     return -(-a // b)
+
+
+@functools.cache
+def cuda_facts(index: int) -> tuple[int, bool]:
+    """(multiprocessors, has the copy engine: compute capability >= 9) of CUDA device `index`, asked once: torch's
+    queries take microseconds, and the linear-head backward asks before each of its launches."""
+    return (torch.cuda.get_device_properties(index).multi_processor_count,
+            torch.cuda.get_device_capability(index)[0] >= 9)

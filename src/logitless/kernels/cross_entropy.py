@@ -20,7 +20,6 @@ by 1 - tanh^2. The loss is computed as (M - z_t) + log S, not lse - z_t, so huge
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -29,7 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import _dispatch
-from ._common import LOG2E, cdiv
+from ._common import LOG2E, cdiv, cuda_facts
 
 _dispatch.register_triton_op("cross_entropy")
 
@@ -425,16 +424,11 @@ class Config(NamedTuple):
     tiles: int = 1  # tiles per program in the forward pass
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small stand-in under the interpreter."""
     if device.type != "cuda":
         return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 def _config(N: int, V: int, device: torch.device) -> Config:

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
-from ._common import LOG2E, cdiv
+from ._common import LOG2E, cdiv, cuda_facts
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -777,16 +777,8 @@ _INTERPRETER_FWD_SMS = 8
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _cuda_facts(device.index)[0]
+        return cuda_facts(device.index)[0]
     return 2
-
-
-@functools.cache
-def _cuda_facts(index: int) -> tuple[int, bool]:
-    """(multiprocessors, has the copy engine) of a CUDA device, asked once: torch's queries take microseconds, and
-    the backward asks before each of its launches (notes/linear_head.md, v13: host time)."""
-    return (torch.cuda.get_device_properties(index).multi_processor_count,
-            torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def _use_tma(cfg: Config, x: torch.Tensor, w: torch.Tensor, perm) -> bool:
@@ -800,7 +792,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     # The descriptor API, the copy engine, and 2-D operands it can address (see _use_tma).
     if TensorDescriptor is None:
         return False
-    if tensors[0].device.type == "cuda" and not _cuda_facts(tensors[0].device.index)[1]:
+    if tensors[0].device.type == "cuda" and not cuda_facts(tensors[0].device.index)[1]:
         return False
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in tensors)
