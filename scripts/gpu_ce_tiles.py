@@ -1,6 +1,7 @@
-"""Tile configurations of the cross_entropy forward kernel (statistics only) and of the in-place two-launch path.
+"""Tile configurations of the cross_entropy forward kernel (statistics only) and of the in-place path.
 
-    PYTHONPATH=src python scripts/gpu_ce_tiles.py
+    PYTHONPATH=src python scripts/gpu_ce_tiles.py         # statistics alone, and in place, per tiling
+    PYTHONPATH=src python scripts/gpu_ce_tiles.py --lag   # in place: the lag in work units, and a second launch
 
 bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000 on a CUDA device; CUDA-event medians of 15 after one
 warm-up, next to a device-to-device copy of the logits timed the same way. Config(block_n, block_v, num_warps,
@@ -8,6 +9,7 @@ tiles): a forward program reads `tiles` tiles of block_n x block_v along its row
 pass) uses the same tiles. "loss diff" is the largest difference from the first configuration's per-row loss.
 """
 
+import argparse
 import statistics
 
 import torch
@@ -55,10 +57,51 @@ def run_shape(N, V):
             print(f"  {cfg}: {repr(e)[:150]}", flush=True)
 
 
+LAG_CONFIGS = [C(1, 8192, 8, 2), C(1, 8192, 8, 4), C(1, 8192, 16, 2), C(1, 4096, 8, 4), C(1, 4096, 4, 4),
+               C(1, 16384, 16, 1)]
+LAGS = [None, 0, 64, 128, 192, 256, 320, 384]  # work units; None: a second launch; 0 is raised to K
+
+
+def run_lags(N, V):
+    """In-place forward + gradient per tiling and lag; "diff" is the largest difference from the second launch's
+    gradient of the same logits (the lagged pass rounds its exponent with one fused multiply-add: ~1 bf16 ulp)."""
+    x = (torch.randn(N, V, device="cuda") * 2).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    y = torch.empty_like(x)
+    copy = median_ms(lambda: y.copy_(x))
+    print(f"{N}x{V}: copy {copy:.3f} ms, in-place default {kce._config(N, V, x.device, kce.INPLACE_TILES_PER_PROGRAM)}"
+          f", lag {kce.INPLACE_LAG_BYTES} bytes", flush=True)
+    saved = kce.INPLACE_LAG_BYTES
+    for cfg in LAG_CONFIGS:
+        ref = None
+        row = []
+        for lag in LAGS:
+            kce.INPLACE_LAG_BYTES = None if lag is None else saved
+            try:
+                def in_place(cfg=cfg, lag=lag):
+                    return kce.cross_entropy_fwd(y, t, None, None, None, write_grad=True, config=cfg, lag=lag,
+                                                 **OPTS)
+
+                y.copy_(x)
+                in_place()
+                diff = 0.0 if ref is None else (y.float() - ref.float()).abs().max().item()
+                ref = y.clone() if ref is None else ref
+                ms = median_ms(in_place)
+                row.append(f"{lag}: {ms:.3f}{'' if diff == 0 else f' (diff {diff:.1e})'}")
+            except Exception as e:  # a configuration the compiler rejects is reported, not fatal
+                row.append(f"{lag}: {repr(e)[:100]}")
+            finally:
+                kce.INPLACE_LAG_BYTES = saved
+        print(f"  {tuple(cfg)}: " + " | ".join(row), flush=True)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lag", action="store_true", help="sweep the in-place lag per tiling")
+    args = ap.parse_args()
     torch.manual_seed(0)
     for N, V in ((16384, 128256), (8192, 256000)):
-        run_shape(N, V)
+        run_lags(N, V) if args.lag else run_shape(N, V)
         torch.cuda.empty_cache()
 
 

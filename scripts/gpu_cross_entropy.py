@@ -10,9 +10,9 @@ first 64 rows against float64) and is not timed if the check fails. Time: CUDA e
 median of the repetitions; before each repetition, outside the timed region, the logits are restored from a
 pristine copy (in-place providers overwrite them). GB/s counts one read and one write of the logits. Peak extra:
 torch.cuda.max_memory_allocated() during forward + backward above what was allocated before (logits, pristine copy,
-targets); a gradient returned in a new buffer counts. --variants also times the fused forward kernel alone under
-other tile shapes (columns per tile, warps, tiles per program) and a two-launch in-place variant (statistics, then
-the gradient in a second launch).
+targets); a gradient returned in a new buffer counts. --variants also times the in-place forward kernel alone (one
+launch: statistics, and the gradient a few MiB of logits behind them) under other tile shapes (columns per tile,
+warps, tiles per program) and a two-launch in-place variant (statistics, then the gradient in a second launch).
 """
 
 from __future__ import annotations
@@ -151,12 +151,12 @@ def run_shape(N, V, reps, variants, rows):
             return f
 
         C = kce.Config
-        cands = [("fused 8192 w8 t4", fused(C(1, 8192, 8, 4))),
-                 ("fused 8192 w8 t2", fused(C(1, 8192, 8, 2))),
-                 ("fused 8192 w8 t1", fused(C(1, 8192, 8, 1))),
-                 ("fused 4096 w4 t4", fused(C(1, 4096, 4, 4))),
-                 ("fused 4096 w4 t8", fused(C(1, 4096, 4, 8))),
-                 ("fused 16384 w16 t2", fused(C(1, 16384, 16, 2))),
+        cands = [("one launch 8192 w8 t4", fused(C(1, 8192, 8, 4))),
+                 ("one launch 8192 w8 t2", fused(C(1, 8192, 8, 2))),
+                 ("one launch 8192 w8 t1", fused(C(1, 8192, 8, 1))),
+                 ("one launch 4096 w4 t4", fused(C(1, 4096, 4, 4))),
+                 ("one launch 4096 w4 t8", fused(C(1, 4096, 4, 8))),
+                 ("one launch 16384 w16 t2", fused(C(1, 16384, 16, 2))),
                  ("two-launch 8192 w8", two_launch(C(1, 8192, 8, 1))),
                  ("forward only (default)", lambda: logitless.cross_entropy(x, target, backend="triton"))]
         g_ref = None

@@ -59,17 +59,21 @@ def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w,
     check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
-@pytest.mark.parametrize("tiles", [2, 4])
-@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[1::3])
-def test_fused_second_read(small_tiles, monkeypatch, tiles, reduction, smoothing, z_loss, softcap, class_w, dtype,
-                           inplace):
-    # The forward kernel writes the in-place gradient of long rows itself (off by default, see FUSE_SECOND_READ):
-    # with 2 tiles per program the last of a row's 2 programs does it; with 4, one program reads the whole row.
-    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", tiles)
-    monkeypatch.setattr(kce, "FUSE_SECOND_READ", True)
-    z, t = make(17, 1000, dtype)
-    cw = (torch.rand(1000, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
-    check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+@pytest.mark.parametrize("v,tiles", [(1000, 2), (500, 2), (1000, 4)])
+@pytest.mark.parametrize("lag_bytes", [None, 1, 7 * 256 * 4, 1 << 30])
+@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype", [g[:6] for g in GRID[1::2]])
+def test_in_place_lag(small_tiles, monkeypatch, v, tiles, lag_bytes, reduction, smoothing, z_loss, softcap, class_w,
+                      dtype):
+    # The in-place gradient of rows longer than one tile, in the same launch `lag` work units behind the statistics
+    # (1 byte is raised to K units, a whole row block; 7 x 256 x 4 bytes is 1-7 units; 1 GiB is lowered to all
+    # units: every gradient after every statistic), or by a second launch (None). Tiles of 256 columns: V = 1000 is
+    # 2 programs of 2 tiles per row, V = 500 one program of 2 tiles, and with 4 tiles one program whose last tile is
+    # ragged.
+    monkeypatch.setattr(kce, "INPLACE_LAG_BYTES", lag_bytes)
+    monkeypatch.setattr(kce, "INPLACE_TILES_PER_PROGRAM", tiles)
+    z, t = make(17, v, dtype)
+    cw = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
+    check(z, t, True, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[::2])

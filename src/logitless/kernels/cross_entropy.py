@@ -3,14 +3,15 @@
 The logits are cut into tiles of BLOCK_N rows x BLOCK_V columns. In the forward pass each program reads TILES tiles
 along its rows with an online reduction (row max m, sum of exp(z - m), and for label smoothing sum w (z - m) and
 sum w); a row longer than TILES * BLOCK_V is spread over K programs, so small batches still fill the GPU. The last of
-a row block's K programs to finish (an atomic counter; no program ever waits for another) merges the partial
+a row block's K programs to finish (an atomic counter; no statistics program waits for another) merges the partial
 statistics into the loss and the log-sum-exp, so there is no second launch.
 
 With ``inplace_backward`` the gradient d(loss)/d(logits) is written over the logits. A row that fits one tile keeps
 its exponentials in registers and is written back by the same program (WRITE_GRAD): one read and one write. A longer
-row is written by a second launch (_ce_bwd_kernel with out = logits): two reads and one write, since the gradient
-needs the row's final log-sum-exp. WRITE_GRAD on a split row has the last program of the row block re-read it from
-L2 and write it, with no inter-program waiting; it is correct and tested but measured slower (FUSE_SECOND_READ).
+row needs its final log-sum-exp before any of its gradient, so it is read twice: in the same launch (LAGGED), each
+program also writes the gradient of the work unit `lag` units behind its own, whose row block is published by then
+(it spins on the row block's counter otherwise) and whose logits are still in L2, so DRAM sees about one read and
+one write; or by a second launch (_ce_bwd_kernel with out = logits), two reads from DRAM and one write.
 
 Notation per row (docs/cross_entropy.md): lse = M + log S, p_j = exp(z_j - lse), and
   dL/dz_j = p_j A - C [j == t] - E w_j,   C = g (1 - eps) w_t,  A = C + g (eps / V) W + 2 g z_loss lse,  E = g eps / V
@@ -72,15 +73,16 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr = True):
+               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
     """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
     Rows past N read 0 (finite), so no NaN appears in them; they are never stored. MASK_COLS=False: the caller knows
     that every column is below V (no per-element select: pass 1 is issue-bound, not memory-bound)."""
     ptrs = (logits_ptr + rows64 * stride_row)[:, None] + cols[None, :]
     if MASK_COLS:
-        x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_V]
+        x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+                    eviction_policy=EVICT).to(tl.float32)  # [BLOCK_N, BLOCK_V]
     else:
-        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_SOFTCAP:
         th = _tanh(x / softcap, INTERPRET)
         z = softcap * th
@@ -95,12 +97,12 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
 @triton.jit
 def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
                W_run, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr):
+               INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
     """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
     sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
     (exp(z - m), 0 past V)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
-                       MASK_COLS)
+                       MASK_COLS, EVICT)
     m_new = tl.maximum(m_run, tl.max(z, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
     e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
@@ -153,9 +155,14 @@ def _row_coef(g, lse, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT: tl.constexpr, 
 
 @triton.jit
 def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
-               HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dL/d(raw logits) of a tile from p_j A (already multiplied), in float32: [BLOCK_N, BLOCK_V]."""
-    dz = p_scaled - tl.where(cols[None, :] == t[:, None], C[:, None], 0.0)
+               HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               ONE_HOT: tl.constexpr = True):
+    """dL/d(raw logits) of a tile from p_j A (already multiplied), in float32: [BLOCK_N, BLOCK_V]. ONE_HOT=False:
+    the caller knows that no row's target is among these columns."""
+    if ONE_HOT:
+        dz = p_scaled - tl.where(cols[None, :] == t[:, None], C[:, None], 0.0)
+    else:
+        dz = p_scaled
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -168,22 +175,12 @@ def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
 
 
 @triton.jit
-def _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row, softcap, V,
-                      n_tiles, BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
-    """Write dL/dz over a row block's logits, tile by tile, from its (M, log S) and coefficients (A, C, E)."""
-    for j in range(0, n_tiles):
-        cols = (j * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
-        _store_grad_tile(logits_ptr, logits_ptr, rows64, cols, row_mask, cols < V, stride_row, stride_row, t, M,
-                         logS, A, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
-
-
-@triton.jit
 def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
                      A, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
-    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
+    z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
+                       True, "")
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
@@ -232,16 +229,43 @@ def _ce_fwd_kernel(
     logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr,
     loss_ptr, lse_ptr, stats_ptr, part_ptr, count_ptr,
     # sizes and strides
-    N, V, K, stride_row,
+    N, V, K, n_units, lag, stride_row,
     # options
     ignore_index, eps, z_loss, softcap,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, LAGGED: tl.constexpr, STATS_EVICT: tl.constexpr,
+    GRAD_EVICT: tl.constexpr, GRAD_STORE_CM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    NSTAT: tl.constexpr = 4 if HAS_SMOOTHING else 2
     pid = tl.program_id(0).to(tl.int64)
+    if pid < n_units:
+        _ce_stats_unit(pid, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, loss_ptr, lse_ptr, stats_ptr,
+                       part_ptr, count_ptr, N, V, K, stride_row, ignore_index, eps, z_loss, softcap, BLOCK_N, BLOCK_V,
+                       TILES, K_POW2, SPLIT, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, HAS_SOFTCAP, HAS_SCALE,
+                       WRITE_GRAD, LAGGED, STATS_EVICT, INTERPRET)
+    if LAGGED:
+        if pid >= lag:
+            _ce_lagged_grad_unit(pid - lag, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, stats_ptr,
+                                 count_ptr, N, V, K, stride_row, ignore_index, eps, z_loss, softcap, BLOCK_N,
+                                 BLOCK_V, TILES, SPLIT, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, HAS_SOFTCAP, HAS_SCALE,
+                                 GRAD_EVICT, GRAD_STORE_CM, INTERPRET)
+
+
+@triton.jit
+def _ce_stats_unit(
+    pid, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, loss_ptr, lse_ptr, stats_ptr, part_ptr, count_ptr,
+    N, V, K, stride_row, ignore_index, eps, z_loss, softcap,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, LAGGED: tl.constexpr, EVICT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Pass 1 of one work unit (TILES tiles of a row block): its statistics, and the row block's loss once they are
+    all in. WRITE_GRAD (a whole row in one tile, TILES == 1, not SPLIT): also its gradient, from registers. LAGGED:
+    the program that finishes a row block then publishes it (its counter past K, release) for the gradient units
+    that wait on it."""
+    NSTAT: tl.constexpr = 4 if HAS_SMOOTHING else 2
     rb = pid // K  # row block
     kt = pid % K  # which TILES * BLOCK_V columns of it
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -262,15 +286,15 @@ def _ce_fwd_kernel(
             # The row stays in registers for its gradient (below): one tile, masked.
             m_run, s_run, sw_run, W_run, z, th, e = _fold_tile(
                 logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True)
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
         elif c0 + BLOCK_V <= V:
             m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
                 logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False)
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False, EVICT)
         else:
             m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
                 logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True)
+                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
 
     if SPLIT:
         pbase = part_ptr + (rows64 * K + kt) * NSTAT
@@ -302,34 +326,91 @@ def _ce_fwd_kernel(
             zt = _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
             _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_t, M, logS, zt, smooth, eps,
                          z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
-            if WRITE_GRAD:
-                # Pass 2 over the whole row block, read again while it is still in L2 (its K programs read it
-                # moments ago); other programs never wait, so there is no inter-program dependency to deadlock on.
-                A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
-                                     HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
-                _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row,
-                                  softcap, V, tl.cdiv(V, BLOCK_V), BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                                  INTERPRET)
+            if LAGGED:
+                _publish(count_ptr + rb)
     else:
         M = tl.where(row_mask, m_run, 0.0)
         logS = tl.log(tl.where(row_mask, s_run, 1.0))
         zt = _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP, INTERPRET)
         _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_t, M, logS, zt,
                      W_run * logS - sw_run, eps, z_loss, V, HAS_SMOOTHING, HAS_ZLOSS)
+        if LAGGED:
+            _publish(count_ptr + rb)
         if WRITE_GRAD:
+            # The whole row is in registers: p_j = exp(z_j - M) / S reuses pass 1's exponentials.
             A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
                                  HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
-            if TILES == 1:
-                # The whole row is in registers: p_j = exp(z_j - M) / S reuses pass 1's exponentials.
-                pa = e * (A * tl.exp2(-logS * LOG2E))[:, None]
-                dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
-                                HAS_SOFTCAP)
-                tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                         _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET),
-                         mask=row_mask[:, None] & col_mask[None, :])
-            else:
-                _write_grad_tiles(logits_ptr, rows64, row_mask, t, M, logS, A, C, E, class_w_ptr, stride_row,
-                                  softcap, V, TILES, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
+            pa = e * (A * tl.exp2(-logS * LOG2E))[:, None]
+            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+            tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                     _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _publish(flag_ptr):
+    """Release a row block's statistics: the barrier orders every thread's stores of them before the one release."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release")
+
+
+@triton.jit
+def _ce_lagged_grad_unit(
+    u, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, stats_ptr, count_ptr,
+    N, V, K, stride_row, ignore_index, eps, z_loss, softcap,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVICT: tl.constexpr, STORE_CM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Pass 2 of work unit u, `lag` units behind the program's pass 1: wait until u's row block is published, then
+    read u's tiles again (read from DRAM `lag` units ago, so mostly from L2 now) and write their gradient over them.
+    Every unit of that row block has a lower program id than this one (lag >= K), so the wait is only ever on programs
+    started before this one, which never wait on it: the order in which the GPU starts the programs of a launch is
+    all that is assumed, as in a decoupled look-back scan. The interpreter runs programs in order: it never waits."""
+    rb = u // K
+    kt = u % K
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    if SPLIT:
+        done = K + 1  # K arrivals, then the merging program's release
+    else:
+        done = 1  # the one program's release
+    # Spin on an acquire read-modify-write (it reads the counter's latest value and synchronizes with the release that
+    # published); the barrier then orders every thread's loads below after it.
+    n = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
+    while n < done:
+        n = tl.atomic_add(count_ptr + rb, 0, sem="acquire")
+    tl.debug_barrier()
+    M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0, cache_modifier=".cg")
+    logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg")
+    t, valid, w_t = _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT)
+    A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE, HAS_WEIGHT,
+                         HAS_SMOOTHING, HAS_ZLOSS)
+    # This pass shares the SM's instruction issue with pass 1, so it is lean: no -inf fill of the columns past V (they
+    # are never stored), one fused multiply-add for the exponent, and the target's one-hot only in the tile where a
+    # row's target lies.
+    neg_log2S = logS * -LOG2E
+    for i in tl.static_range(TILES):
+        c0 = kt * (TILES * BLOCK_V) + i * BLOCK_V
+        cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
+        col_mask = cols < V
+        ptrs = logits_ptr + rows64[:, None] * stride_row + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        if HAS_SOFTCAP:
+            th = _tanh(x / softcap, INTERPRET)
+            z = softcap * th
+        else:
+            th = x
+            z = x
+        pa = tl.exp2(tl.fma(z - M[:, None], LOG2E, neg_log2S[:, None])) * A[:, None]
+        if tl.max(((t >= c0) & (t < c0 + BLOCK_V)).to(tl.int32), axis=0) > 0:
+            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                            True)
+        else:
+            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                            False)
+        tl.store(ptrs, _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=mask, cache_modifier=STORE_CM)
 
 
 @triton.jit
@@ -414,7 +495,14 @@ MIN_BLOCK_V = 1024
 # row from L2) instead of a second launch. Off: on an H200 (bf16, 16384 x 128256 and 8192 x 256000, forward +
 # backward) it took 7.5 / 5.7 ms against 3.6 / 3.5 ms for the second launch and 2.0 ms for a copy of the logits: the
 # whole second pass of a row runs in one program, one tile at a time. scripts/gpu_cross_entropy.py --variants.
-FUSE_SECOND_READ = False
+# In place, rows longer than one tile: program i reads work unit i (TILES tiles of a row block) for the statistics
+# and writes the gradient of the unit INPLACE_LAG_BYTES of logits earlier (at least K units: a whole row block),
+# by then published and still in L2 (the statistics' loads ask L2 to keep their lines, the gradient's loads and
+# stores to drop theirs). Measured on an H200 (bf16, 16384 x 128256 and 8192 x 256000, scripts/gpu_ce_tiles.py
+# --lag): 8 MiB (256 units of 2 x 8192 columns) read 5% of the logits twice from DRAM under Nsight Compute, 32 MiB
+# all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a second launch (two reads from DRAM).
+INPLACE_LAG_BYTES: int | None = 8 << 20
+INPLACE_TILES_PER_PROGRAM = 2
 
 
 class Config(NamedTuple):
@@ -431,13 +519,13 @@ def num_sms(device: torch.device) -> int:
     return cuda_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
-def _config(N: int, V: int, device: torch.device) -> Config:
-    """Tiles of up to TILE_ELEMS elements; a program reads TILES_PER_PROGRAM of them along a row in pass 1, so a long
-    row is split over several programs. With too few programs to fill the device (small N), fewer tiles per program,
-    then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
+def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None = None) -> Config:
+    """Tiles of up to TILE_ELEMS elements; a program reads `tiles_per_program` of them (TILES_PER_PROGRAM by default)
+    along a row in pass 1, so a long row is split over several programs. With too few programs to fill the device
+    (small N), fewer tiles per program, then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
     n_sm = num_sms(device)
     block_v = min(triton.next_power_of_2(V), TILE_ELEMS)
-    tiles = max(1, min(TILES_PER_PROGRAM, cdiv(V, block_v)))
+    tiles = max(1, min(tiles_per_program or TILES_PER_PROGRAM, cdiv(V, block_v)))
     while N * cdiv(V, block_v * tiles) < 4 * n_sm:
         if tiles > 1:
             tiles //= 2
@@ -466,13 +554,16 @@ def _flags(class_w, label_smoothing, z_loss, softcap):
 
 
 def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: int, label_smoothing: float,
-                      z_loss: float, softcap: float | None, write_grad: bool, config: Config | None = None):
+                      z_loss: float, softcap: float | None, write_grad: bool, config: Config | None = None,
+                      lag: int | None = None):
     """Per-row loss (0 on ignored rows), per-row log-sum-exp, and per-row (max, log sum exp) statistics.
 
     logits: (N, V) float32/bfloat16/float16 with unit column stride. target: (N,) int64. class_w: (V,) float32 or
     None; w_sum: 0-d float32 sum of class_w (needed with class weights and smoothing). scale: 0-d float32 factor of
     the gradient of every non-ignored row (1 / denominator for reduction="mean") or None.
-    write_grad: overwrite `logits` with d(loss)/d(logits) (upstream 1, times `scale`) in the same pass.
+    write_grad: overwrite `logits` with d(loss)/d(logits) (upstream 1, times `scale`) in the same launch.
+    lag: with write_grad, work units between a unit's statistics and its gradient (None: INPLACE_LAG_BYTES of logits;
+    a second launch if that is None too).
     Returns (loss (N,) float32, lse (N,) float32, stats (N, 2) float32).
     """
     assert logits.dim() == 2 and logits.stride(1) == 1
@@ -483,31 +574,38 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     stats = torch.empty(N, 2, device=dev, dtype=torch.float32)
     if N == 0:
         return loss, lse, stats
-    cfg = config or _config(N, V, dev)
+    cfg = config or _config(N, V, dev, INPLACE_TILES_PER_PROGRAM if write_grad else None)
     K = cdiv(V, cfg.block_v * cfg.tiles)
     n_blocks = cdiv(N, cfg.block_n)
     split = K > 1
-    # A row in registers is written back in the same pass; a longer row is written by a second launch unless
-    # FUSE_SECOND_READ (see there).
-    fused = write_grad and ((not split and cfg.tiles == 1) or FUSE_SECOND_READ)
+    n_units = n_blocks * K
+    # A row in registers is written back in the same pass; a longer row `lag` units behind its statistics in the
+    # same launch (INPLACE_LAG_BYTES), or by a second launch.
+    in_registers = write_grad and not split and cfg.tiles == 1
+    if lag is None and INPLACE_LAG_BYTES is not None:
+        lag = INPLACE_LAG_BYTES // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
+    lagged = write_grad and not in_registers and lag is not None
+    lag = max(K, min(lag, n_units)) if lagged else 0
     if split:
         nstat = 4 if label_smoothing > 0.0 else 2
         part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
-        count = torch.zeros(n_blocks, device=dev, dtype=torch.int32)
     else:
-        part = count = loss  # not read
-    _ce_fwd_kernel[(n_blocks * K,)](
+        part = loss  # not read
+    count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else loss  # else not read
+    _ce_fwd_kernel[(n_units + lag,)](
         logits, target, class_w if class_w is not None else loss, w_sum if w_sum is not None else loss,
         scale if scale is not None else loss,
         loss, lse, stats, part, count,
-        N, V, K, logits.stride(0),
+        N, V, K, n_units, lag, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, TILES=cfg.tiles, K_POW2=triton.next_power_of_2(K), SPLIT=split,
-        HAS_SCALE=scale is not None, WRITE_GRAD=bool(fused), INTERPRET=_interpreting(logits),
+        HAS_SCALE=scale is not None, WRITE_GRAD=in_registers, LAGGED=lagged,
+        STATS_EVICT="evict_last" if lagged else "", GRAD_EVICT="evict_first" if lagged else "",
+        GRAD_STORE_CM=".cs" if lagged else "", INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
-    if write_grad and not fused:
+    if write_grad and not in_registers and not lagged:
         cross_entropy_bwd(None, logits, target, class_w, w_sum, scale, stats, logits, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, config=cfg)
     return loss, lse, stats
