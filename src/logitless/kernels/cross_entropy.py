@@ -491,10 +491,6 @@ def _ce_scale_kernel(
 TILE_ELEMS = 8192
 TILES_PER_PROGRAM = 4
 MIN_BLOCK_V = 1024
-# Write the in-place gradient of a row longer than one tile from the forward kernel (its last program re-reads the
-# row from L2) instead of a second launch. Off: on an H200 (bf16, 16384 x 128256 and 8192 x 256000, forward +
-# backward) it took 7.5 / 5.7 ms against 3.6 / 3.5 ms for the second launch and 2.0 ms for a copy of the logits: the
-# whole second pass of a row runs in one program, one tile at a time. scripts/gpu_cross_entropy.py --variants.
 # In place, rows longer than one tile: program i reads work unit i (TILES tiles of a row block) for the statistics
 # and writes the gradient of the unit INPLACE_LAG_BYTES of logits earlier (at least K units: a whole row block),
 # by then published and still in L2 (the statistics' loads ask L2 to keep their lines, the gradient's loads and
@@ -502,7 +498,7 @@ MIN_BLOCK_V = 1024
 # --lag): 8 MiB (256 units of 2 x 8192 columns) read 5% of the logits twice from DRAM under Nsight Compute, 32 MiB
 # all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a second launch (two reads from DRAM).
 INPLACE_LAG_BYTES: int | None = 8 << 20
-INPLACE_TILES_PER_PROGRAM = 2
+INPLACE_TILES_PER_PROGRAM = 2  # 4 was slower in place (docs/cross_entropy.md)
 
 
 class Config(NamedTuple):
