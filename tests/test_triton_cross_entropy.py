@@ -1,7 +1,8 @@
 """cross_entropy on existing logits, Triton path (the interpreter on CPU), against float64 (STYLE.md error rule).
 
-Small shapes run through the interpreter; tests marked gpu run the fused in-place kernel (which the interpreter cannot
-run: it executes programs one after another) at real vocabulary sizes.
+Small shapes run through the interpreter; tests marked gpu run the in-place kernel at real vocabulary sizes, where
+its gradient units really wait for rows whose statistics other programs are still computing (the interpreter runs
+programs one after another, in order, so there they never wait).
 """
 
 import pytest
@@ -188,7 +189,7 @@ def test_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the fused in-place kernel at real vocabulary sizes.
+# GPU: the in-place kernel at real vocabulary sizes.
 
 
 @pytest.mark.gpu
