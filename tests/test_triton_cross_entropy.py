@@ -77,6 +77,20 @@ def test_in_place_lag(small_tiles, monkeypatch, v, tiles, lag_bytes, reduction, 
     check(z, t, True, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
+def test_in_place_is_one_launch(small_tiles, monkeypatch):
+    # By default the in-place gradient of split rows comes from the forward launch: the second-launch kernel is
+    # never called (the lagged tests above would pass on it too).
+    def no_second_launch(*a, **k):
+        raise AssertionError("in-place gradient written by a second launch")
+
+    monkeypatch.setattr(kce, "cross_entropy_bwd", no_second_launch)
+    z, t = make(17, 1000, torch.bfloat16)
+    check(z, t, True)
+    monkeypatch.setattr(kce, "INPLACE_LAG_BYTES", None)
+    with pytest.raises(AssertionError, match="second launch"):
+        check(z, t, True)
+
+
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,inplace", GRID[::2])
 def test_whole_rows(reduction, smoothing, z_loss, softcap, class_w, dtype, inplace):
     # V = 300 fits one tile; several rows per program (BLOCK_N > 1) with a ragged last row block.

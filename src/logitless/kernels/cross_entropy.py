@@ -73,10 +73,13 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
-               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
-    """float32 logits of a tile after the softcap, -inf in columns past V; also tanh(x / softcap) for the chain rule.
-    Rows past N read 0 (finite), so no NaN appears in them; they are never stored. MASK_COLS=False: the caller knows
-    that every column is below V (no per-element select: pass 1 is issue-bound, not memory-bound)."""
+               HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, FILL: tl.constexpr,
+               EVICT: tl.constexpr):
+    """float32 logits of a tile after the softcap, and tanh(x / softcap) for the chain rule. Rows past N read 0
+    (finite), so no NaN appears in them; they are never stored. MASK_COLS: columns past V are not read (and read 0);
+    FILL: they are -inf in the result (for a max or a sum of exponentials; a caller that never stores them needs no
+    per-element select). MASK_COLS=False: the caller knows that every column is below V (pass 1 is issue-bound, not
+    memory-bound). EVICT: the load's L2 eviction policy."""
     ptrs = (logits_ptr + rows64 * stride_row)[:, None] + cols[None, :]
     if MASK_COLS:
         x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0,
@@ -89,7 +92,7 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
     else:
         th = x
         z = x
-    if MASK_COLS:
+    if MASK_COLS and FILL:
         z = tl.where(col_mask[None, :], z, float("-inf"))
     return z, th
 
@@ -102,7 +105,7 @@ def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride
     sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
     (exp(z - m), 0 past V)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
-                       MASK_COLS, EVICT)
+                       MASK_COLS, MASK_COLS, EVICT)
     m_new = tl.maximum(m_run, tl.max(z, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile wholly past V (or of -inf logits) leaves -inf
     e = tl.exp2((z - m_safe[:, None]) * LOG2E)  # [BLOCK_N, BLOCK_V], 0 past V
@@ -180,7 +183,7 @@ def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stri
                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
-                       True, "")
+                       True, True, "")
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
@@ -394,15 +397,8 @@ def _ce_lagged_grad_unit(
         c0 = kt * (TILES * BLOCK_V) + i * BLOCK_V
         cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
         col_mask = cols < V
-        ptrs = logits_ptr + rows64[:, None] * stride_row + cols[None, :]
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        if HAS_SOFTCAP:
-            th = _tanh(x / softcap, INTERPRET)
-            z = softcap * th
-        else:
-            th = x
-            z = x
+        z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
+                           INTERPRET, True, False, EVICT)
         pa = tl.exp2(tl.fma(z - M[:, None], LOG2E, neg_log2S[:, None])) * A[:, None]
         if tl.max(((t >= c0) & (t < c0 + BLOCK_V)).to(tl.int32), axis=0) > 0:
             dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
@@ -410,7 +406,9 @@ def _ce_lagged_grad_unit(
         else:
             dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                             False)
-        tl.store(ptrs, _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=mask, cache_modifier=STORE_CM)
+        tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
+                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :],
+                 cache_modifier=STORE_CM)
 
 
 @triton.jit
