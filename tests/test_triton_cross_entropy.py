@@ -22,6 +22,8 @@ def small_tiles(monkeypatch):
     ragged (the split path: partial statistics merged by the last program, which writes the in-place gradient)."""
     monkeypatch.setattr(kce, "TILE_ELEMS", 256)
     monkeypatch.setattr(kce, "TILES_PER_PROGRAM", 2)
+    monkeypatch.setattr(kce, "STATS_TILE_ELEMS", 256)
+    monkeypatch.setattr(kce, "STATS_TILES", 2)
     monkeypatch.setattr(kce, "MIN_BLOCK_V", 64)
 
 

@@ -239,14 +239,14 @@ def _ce_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, LAGGED: tl.constexpr, STATS_EVICT: tl.constexpr,
-    GRAD_EVICT: tl.constexpr, GRAD_STORE_CM: tl.constexpr, INTERPRET: tl.constexpr,
+    GRAD_EVICT: tl.constexpr, GRAD_STORE_CM: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_units:
         _ce_stats_unit(pid, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, loss_ptr, lse_ptr, stats_ptr,
                        part_ptr, count_ptr, N, V, K, stride_row, ignore_index, eps, z_loss, softcap, BLOCK_N, BLOCK_V,
                        TILES, K_POW2, SPLIT, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, HAS_SOFTCAP, HAS_SCALE,
-                       WRITE_GRAD, LAGGED, STATS_EVICT, INTERPRET)
+                       WRITE_GRAD, LAGGED, STATS_EVICT, STAGES, INTERPRET)
     if LAGGED:
         if pid >= lag:
             _ce_lagged_grad_unit(pid - lag, logits_ptr, target_ptr, class_w_ptr, w_sum_ptr, scale_ptr, stats_ptr,
@@ -262,7 +262,7 @@ def _ce_stats_unit(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, K_POW2: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, LAGGED: tl.constexpr, EVICT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Pass 1 of one work unit (TILES tiles of a row block): its statistics, and the row block's loss once they are
     all in. WRITE_GRAD (a whole row in one tile, TILES == 1, not SPLIT): also its gradient, from registers. LAGGED:
@@ -281,23 +281,42 @@ def _ce_stats_unit(
     s_run = tl.zeros([BLOCK_N], tl.float32)
     sw_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j (z_j - m_run)
     W_run = tl.zeros([BLOCK_N], tl.float32)  # sum_j w_j
-    for i in tl.static_range(TILES):
-        c0 = kt * (TILES * BLOCK_V) + i * BLOCK_V
-        cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
-        col_mask = cols < V
-        if WRITE_GRAD and TILES == 1:
-            # The row stays in registers for its gradient (below): one tile, masked.
-            m_run, s_run, sw_run, W_run, z, th, e = _fold_tile(
-                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
-        elif c0 + BLOCK_V <= V:
+    if STAGES > 1:
+        # Statistics alone: the whole tiles in a software-pipelined loop (their loads run STAGES - 1 tiles ahead
+        # through shared memory, holding no registers), then the tile that crosses V, if this program has it.
+        c_unit = kt * (TILES * BLOCK_V)
+        n_full = tl.minimum(tl.maximum(V - c_unit, 0) // BLOCK_V, TILES)
+        for i in tl.range(0, n_full, num_stages=STAGES):
+            cols = (c_unit + i * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
             m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
-                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False, EVICT)
-        else:
+                logits_ptr, class_w_ptr, rows64, cols, row_mask, cols < V, stride_row, softcap, m_run, s_run,
+                sw_run, W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False, EVICT)
+        c0 = c_unit + n_full * BLOCK_V
+        if (n_full < TILES) & (c0 < V):
+            cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
             m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
-                logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run, sw_run,
-                W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
+                logits_ptr, class_w_ptr, rows64, cols, row_mask, cols < V, stride_row, softcap, m_run, s_run,
+                sw_run, W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
+    else:
+        # In place: unrolled tiles (the pipelined loop's asynchronous copies drop the L2 hint that keeps these
+        # logits for the lagged gradient pass; measured slower, docs/cross_entropy.md).
+        for i in tl.static_range(TILES):
+            c0 = kt * (TILES * BLOCK_V) + i * BLOCK_V
+            cols = (c0 + tl.arange(0, BLOCK_V)).to(tl.int32)
+            col_mask = cols < V
+            if WRITE_GRAD and TILES == 1:
+                # The row stays in registers for its gradient (below): one tile, masked.
+                m_run, s_run, sw_run, W_run, z, th, e = _fold_tile(
+                    logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run,
+                    sw_run, W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
+            elif c0 + BLOCK_V <= V:
+                m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
+                    logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run,
+                    sw_run, W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, False, EVICT)
+            else:
+                m_run, s_run, sw_run, W_run, _z, _th, _e = _fold_tile(
+                    logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, m_run, s_run,
+                    sw_run, W_run, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET, True, EVICT)
 
     if SPLIT:
         pbase = part_ptr + (rows64 * K + kt) * NSTAT
@@ -497,6 +516,11 @@ MIN_BLOCK_V = 1024
 # all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a second launch (two reads from DRAM).
 INPLACE_LAG_BYTES: int | None = 8 << 20
 INPLACE_TILES_PER_PROGRAM = 2  # 4 was slower in place (docs/cross_entropy.md)
+# The statistics alone (no gradient in the launch): tiles of STATS_TILE_ELEMS, STATS_TILES per program, in a loop
+# software-pipelined STATS_STAGES deep (docs/cross_entropy.md).
+STATS_TILE_ELEMS = 4096
+STATS_TILES = 8
+STATS_STAGES = 3
 
 
 class Config(NamedTuple):
@@ -513,12 +537,14 @@ def num_sms(device: torch.device) -> int:
     return cuda_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
-def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None = None) -> Config:
-    """Tiles of up to TILE_ELEMS elements; a program reads `tiles_per_program` of them (TILES_PER_PROGRAM by default)
+def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None = None,
+            tile_elems: int | None = None) -> Config:
+    """Tiles of up to `tile_elems` elements; a program reads `tiles_per_program` of them (TILES_PER_PROGRAM by default)
     along a row in pass 1, so a long row is split over several programs. With too few programs to fill the device
     (small N), fewer tiles per program, then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
     n_sm = num_sms(device)
-    block_v = min(triton.next_power_of_2(V), TILE_ELEMS)
+    tile_elems = tile_elems or TILE_ELEMS
+    block_v = min(triton.next_power_of_2(V), tile_elems)
     tiles = max(1, min(tiles_per_program or TILES_PER_PROGRAM, cdiv(V, block_v)))
     while N * cdiv(V, block_v * tiles) < 4 * n_sm:
         if tiles > 1:
@@ -527,7 +553,7 @@ def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None 
             block_v //= 2
         else:
             break
-    block_n = max(1, min(TILE_ELEMS // block_v, triton.next_power_of_2(N)))
+    block_n = max(1, min(tile_elems // block_v, triton.next_power_of_2(N)))
     while block_n > 1 and cdiv(N, block_n) * cdiv(V, block_v * tiles) < 4 * n_sm:
         block_n //= 2
     num_warps = max(4, min(16, block_n * block_v // 1024))
@@ -568,7 +594,12 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     stats = torch.empty(N, 2, device=dev, dtype=torch.float32)
     if N == 0:
         return loss, lse, stats
-    cfg = config or _config(N, V, dev, INPLACE_TILES_PER_PROGRAM if write_grad else None)
+    if config is not None:
+        cfg = config
+    elif write_grad:
+        cfg = _config(N, V, dev, INPLACE_TILES_PER_PROGRAM)
+    else:
+        cfg = _config(N, V, dev, STATS_TILES, STATS_TILE_ELEMS)
     K = cdiv(V, cfg.block_v * cfg.tiles)
     n_blocks = cdiv(N, cfg.block_n)
     split = K > 1
@@ -595,7 +626,8 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, TILES=cfg.tiles, K_POW2=triton.next_power_of_2(K), SPLIT=split,
         HAS_SCALE=scale is not None, WRITE_GRAD=in_registers, LAGGED=lagged,
         STATS_EVICT="evict_last" if lagged else "", GRAD_EVICT="evict_first" if lagged else "",
-        GRAD_STORE_CM=".cs" if lagged else "", INTERPRET=_interpreting(logits),
+        GRAD_STORE_CM=".cs" if lagged else "", STAGES=1 if write_grad else STATS_STAGES,
+        INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
     )
