@@ -539,9 +539,10 @@ def num_sms(device: torch.device) -> int:
 
 def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None = None,
             tile_elems: int | None = None) -> Config:
-    """Tiles of up to `tile_elems` elements; a program reads `tiles_per_program` of them (TILES_PER_PROGRAM by default)
-    along a row in pass 1, so a long row is split over several programs. With too few programs to fill the device
-    (small N), fewer tiles per program, then narrower tiles; short rows share a tile (BLOCK_N > 1)."""
+    """Tiles of up to `tile_elems` elements (TILE_ELEMS by default); a program reads `tiles_per_program` of them
+    (TILES_PER_PROGRAM by default) along a row in pass 1, so a long row is split over several programs. With too few
+    programs to fill the device (small N), fewer tiles per program, then narrower tiles; short rows share a tile
+    (BLOCK_N > 1)."""
     n_sm = num_sms(device)
     tile_elems = tile_elems or TILE_ELEMS
     block_v = min(triton.next_power_of_2(V), tile_elems)
