@@ -387,13 +387,14 @@ def _dz_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
     HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    # Programs that run together share GROUP token blocks and their W tiles in L2. (Token-block-major, each wave
+    # re-read the chunk's whole W: at gemma2-2b's first chunk the L2 hit rate rose from 67% to 78% with GROUP 8.)
     pid = tl.program_id(0)
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
-    pid_n = pid // n_vt
-    pid_v = pid % n_vt
+    pid_n, pid_v = _grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
     lcol0 = pid_v.to(tl.int64) * BLOCK_V  # column offset inside the chunk
     lcols = lcol0 + tl.arange(0, BLOCK_V)
     if SKIP:
@@ -1239,7 +1240,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0,
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
             HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db, HAS_PERM=has_perm, SKIP=skip,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, **dot,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+            EVEN_K=D % cfg.block_k == 0, **dot,
             USE_TMA=dz_tma,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )
