@@ -2,12 +2,13 @@
 
     git show REV:src/logitless/kernels/linear_head.py > old_linear_head.py
     PYTHONPATH=src python scripts/gpu_ab.py --old old_linear_head.py [--shapes gemma2-2b,...] [--rounds 6] [--reps 5]
-        [--json FILE] [--set ACC_IN_DX=0.25 ...] [--cases fwdbwd]
+        [--json FILE] [--set ACC_IN_DX=0.25 ...] [--also other_linear_head.py ...] [--cases fwdbwd]
     git show REV:src/logitless/kernels/cross_entropy.py > old_cross_entropy.py
     PYTHONPATH=src python scripts/gpu_ab.py --kernels cross_entropy --old old_cross_entropy.py [--rounds 6]
 
 "A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own;
-each --set adds a version C, D, ... of the package's file with module constants changed (linear_head only).
+each --set adds a version C, D, ... of the package's file with module constants changed, and each --also another
+file, named on after them (linear_head only).
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
 different clocks (notes/linear_head.md, v6); here each round times A, B, ... in order or in reverse (the order
 alternates), at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad
@@ -148,6 +149,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--also", action="append", default=[],
+                    help="another version of the kernel file (repeatable; named after the --set versions)")
     ap.add_argument("--set", action="append", default=[],
                     help="another version: the package's file with module constants set, e.g. ACC_IN_DX=0.25 "
                          "(repeatable; named C, D, ...)")
@@ -183,6 +186,10 @@ def main():
             setattr(mod, key, ast.literal_eval(value))
         versions[name] = mod
         res[f"version {name}"] = spec
+    for path in a.also:
+        name = chr(ord("A") + len(versions))
+        versions[name] = load_old(path)
+        res[f"version {name}"] = path
     cases = a.cases.split(",")
     try:
         for shape in a.shapes.split(","):

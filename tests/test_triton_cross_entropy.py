@@ -109,6 +109,22 @@ def test_extreme_logits(small_tiles, dtype):
         check(z, t, inplace, label_smoothing=0.1, z_loss=1e-8)
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_logits_near_float_max(small_tiles, dtype):
+    # |z| up to 3.2e38: m log2(e) overflows float32 there, so the exponent's shift must not be built from it
+    # (exp2_shift's one-hot branch); row 4's max is tied (p = 1/2 each). 2e8: rows one-hot after rounding.
+    for scale in (2e8, 5e37):
+        z, t = make(9, 1000, dtype, scale=scale)
+        if scale > 1e37:
+            z[::2, 7] = 3.0e38
+            z[4, 5] = 3.0e38
+            z[1::3, 11] = -3.2e38
+            t[4] = 5
+        assert torch.isfinite(z).all()
+        for inplace in (False, True):
+            check(z, t, inplace)
+
+
 def test_all_ignored_and_empty(small_tiles):
     z, t = make(7, 1000, torch.float32)
     for zz, tt in ((z, torch.full_like(t, -100)), (z[:0], t[:0])):

@@ -144,6 +144,19 @@ def test_peaked_and_uniform_data(kind, dtype):
     lce_check(head.input, head.weight, None, t, label_smoothing=0.05)
 
 
+def test_logits_near_float_max():
+    # Two classes with a 3e38 bias: every row's softmax is one-hot on them, p = 1/2 each, and m log2(e) overflows
+    # float32, so the exponent's shift must not be built from it (exp2_shift's one-hot branch). The targets are
+    # those classes (any other would make the loss ~3e38).
+    x, w, b, t = case(torch.float32, bias=True)
+    b = b.clone()
+    b[3] = b[10] = 3.0e38
+    t = torch.where(t >= 0, torch.where(t % 2 == 0, 3, 10), t)
+    lce_check(x, w, b, t)
+    for backend in ("triton", "torch"):
+        check_log_probs_entropy(x, w, b, t, backend)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 def test_extreme_logits(dtype):
     # Logits ~1e4: an exp without the max shift overflows, a bad online rescale gives NaN, and the max must be kept

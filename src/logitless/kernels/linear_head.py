@@ -199,6 +199,14 @@ def _grouped(tile, n_rows, n_cols, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _rescale_ent(ent, s, alpha, dm):
+    # sum e d moved to a new max: alpha (ent + dm s), with alpha = exp(dm) and dm = m_old - m_new <= 0. Where alpha
+    # underflows to 0, dm s may overflow to -inf (maxima near float32's range): the term is 0 there, not NaN.
+    w = alpha * s
+    return alpha * ent + tl.where(w > 0, w * dm, 0.0)
+
+
+@triton.jit
 def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
                MASKED: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
                HAS_ENTROPY: tl.constexpr):
@@ -216,7 +224,7 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
     if MASKED:
         e = tl.where(col_ok[None, :], e, 0.0)
     if HAS_ENTROPY:
-        ent = alpha * (ent + (m - m_new) * s) + tl.sum(e * d, axis=1)
+        ent = _rescale_ent(ent, s, alpha, m - m_new) + tl.sum(e * d, axis=1)
     e_sum = tl.sum(e, axis=1)
     s = s * alpha + e_sum
     if HAS_SMOOTH:
@@ -355,7 +363,7 @@ def _combine_kernel(
         if HAS_SMOOTH:
             sw += tl.load(sw_in + off, mask=ok, other=0.0) + tl.load(ws_in + sp) * (mi - big_m)
         if HAS_ENTROPY:
-            ent += sc * (tl.load(ent_in + off, mask=ok, other=0.0) + (mi - big_m) * si)
+            ent += _rescale_ent(tl.load(ent_in + off, mask=ok, other=0.0), si, sc, mi - big_m)
         off += N
     big_s = tl.where(ok, big_s, 1.0)
     log_s = tl.log(big_s)
