@@ -111,8 +111,8 @@ def test_extreme_logits(small_tiles, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_logits_near_float_max(small_tiles, dtype):
-    # |z| up to 3.2e38: m log2(e) overflows float32 there, so the exponent's shift must not be built from it
-    # (exp2_shift's one-hot branch); row 4's max is tied (p = 1/2 each). 2e8: rows one-hot after rounding.
+    # |z| up to 3.2e38: m log2(e) overflows float32 there, so exponents must be (z - m) log2(e), never
+    # z log2(e) - m log2(e); row 4's max is tied (p = 1/2 each). 2e8: rows one-hot after rounding.
     for scale in (2e8, 5e37):
         z, t = make(9, 1000, dtype, scale=scale)
         if scale > 1e37:

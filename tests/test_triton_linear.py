@@ -145,9 +145,9 @@ def test_peaked_and_uniform_data(kind, dtype):
 
 
 def test_logits_near_float_max():
-    # Two classes with a 3e38 bias: every row's softmax is one-hot on them, p = 1/2 each, and m log2(e) overflows
-    # float32, so the exponent's shift must not be built from it (exp2_shift's one-hot branch). The targets are
-    # those classes (any other would make the loss ~3e38).
+    # Two classes with a 3e38 bias: every row's softmax is one-hot on them, p = 1/2 each. m log2(e) overflows float32
+    # there (exponents must be (z - m) log2(e)), and the entropy's rescale to a new max must give 0, not
+    # 0 x -inf. The targets are those classes (any other would make the loss ~3e38).
     x, w, b, t = case(torch.float32, bias=True)
     b = b.clone()
     b[3] = b[10] = 3.0e38
