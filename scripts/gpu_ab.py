@@ -160,6 +160,8 @@ def main():
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     res = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__}
     if a.kernels == "cross_entropy":
+        if a.set or a.also:
+            ap.error("--set and --also are for --kernels linear_head only")
         import logitless.kernels.cross_entropy as new_ce
 
         versions = {"A": load_old(a.old, a.kernels), "B": new_ce}
