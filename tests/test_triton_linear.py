@@ -236,12 +236,15 @@ WORKSPACES = {
 }
 
 
-@pytest.mark.parametrize("grad_tma", [False, True])
+@pytest.mark.parametrize("products", ["kernel", "kernel-tma", "torch"])
 @pytest.mark.parametrize("name", list(WORKSPACES))
-def test_backward_workspaces(name, grad_tma, monkeypatch):
-    # (grad_tma: the gradient products read dz, x and W through descriptors where the workspace is aligned)
+def test_backward_workspaces(name, products, monkeypatch):
+    # products: the gradient products by _dgrad_kernel, reading dz, x and W through descriptors where the workspace
+    # is aligned ("kernel-tma") or not, or by torch's matmuls (on the CPU in float32; cuBLAS on CUDA)
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(grad_tma=grad_tma))
+    cfg = lh._config(torch.empty(1, device=DEV))._replace(grad_tma=products == "kernel-tma")
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", cfg)
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", products == "torch")
     plans, workspaces = [], []
     make_plan, workspace = lh._plan, lh._workspace
     monkeypatch.setattr(lh, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
@@ -279,9 +282,9 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
     for grad_name, go, gt, g64 in zip([f"d_{k}" for k in needs], ours_grads, grads(theirs, theirs_in),
                                       grads(truth, t64_in), strict=True):
         assert_within_rule(grad_name, go, gt, g64)
-    if name == "first_pass_split":
+    if name == "first_pass_split" and products != "torch":
         assert any(k < n for k in chosen), chosen
-    if name == "second_pass_tail_split":
+    if name == "second_pass_tail_split" and products != "torch":
         assert v * d * 2 in part_bytes, part_bytes
     (plan,) = plans
     if name in ("own_acc", "wide_scratch", "alias_both"):
@@ -289,6 +292,30 @@ def test_backward_workspaces(name, grad_tma, monkeypatch):
         own = plan.dx_acc.untyped_storage().data_ptr() != ours_grads[1].untyped_storage().data_ptr()
         assert own == (plan.dw_end == v) == (name == "own_acc")
         assert workspaces == [(4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")]
+
+
+def test_fp32_reductions_restore_user_settings():
+    # While the backward's products run through cuBLAS, reductions are float32 only; the user's settings (here
+    # non-defaults) come back afterwards, also after an error.
+    get = (torch._C._get_cublas_allow_bf16_reduced_precision_reduction,
+           torch._C._get_cublas_allow_fp16_reduced_precision_reduction,
+           torch._C._get_cublas_allow_fp16_accumulation)
+    before = tuple(f() for f in get)
+    try:
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
+        torch._C._set_cublas_allow_fp16_accumulation(True)
+        user = tuple(f() for f in get)
+        with pytest.raises(RuntimeError, match="inside"), lh._Fp32Reductions():
+            with lh._Fp32Reductions():  # reentrant: the inner exit keeps float32 reductions on
+                pass
+            inside = tuple(f() for f in get)
+            raise RuntimeError("inside")
+        assert [v if isinstance(v, bool) else v[0] for v in inside] == [False, False, False]
+        assert tuple(f() for f in get) == user
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before[0]
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = before[1]
+        torch._C._set_cublas_allow_fp16_accumulation(before[2])
 
 
 def test_balanced_split():

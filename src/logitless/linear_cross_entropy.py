@@ -282,7 +282,8 @@ def linear_cross_entropy(
         backend: "auto" (Triton on CUDA when available, else PyTorch; ``$LOGITLESS_BACKEND`` overrides),
             "triton" or "torch".
         deterministic: ask for gradients that are bitwise identical run to run. Both backends already give them
-            (the Triton backward uses no atomics and reduces in a fixed order), so this never changes the result.
+            (the Triton backward uses no atomics; its kernels reduce in a fixed order and its cuBLAS products are
+            reproducible on a given GPU), so this never changes the result.
         skip_threshold: the largest fraction of each row's probability mass whose gradient the Triton backward may
             skip (cold tiles of the softmax, neither recomputed nor multiplied); each gradient row then changes by
             at most ``skip_threshold`` times its coefficient. ``None`` or 0 (default): nothing is skipped. 2**-12

@@ -30,11 +30,13 @@ one-hot term. No function here synchronises with the host; grids and workspaces 
 Forward: programs own (token block x vocabulary split) and run an online log-sum-exp over their split's vocabulary
 tiles (long splits first, then short ones that fill the grid's last wave: _fwd_layout); a second small kernel merges
 the splits. Backward (docs/kernels.md): the vocabulary is walked in chunks; per
-chunk one kernel recomputes the logits and writes dL/dz for the chunk into a workspace, and one kernel runs both
-gradient products: dW rows of the chunk (reduction over all tokens, in registers, written once) and the float32
-dx accumulator (read-modify-write once per chunk). The workspaces are carved out of the gradient buffers before
-they are written, so the extra memory stays O(N) plus a bounded scratch; nothing uses atomics, so every gradient is
-bitwise reproducible.
+chunk one kernel recomputes the logits and writes dL/dz for the chunk into a workspace, then the two gradient
+products run: dW rows of the chunk (reduction over all tokens in float32, written once) and the float32 dx
+accumulator (read-modify-write once per chunk), through cuBLAS for bfloat16 / float16 on CUDA (torch.mm, and
+torch.addmm with a float32 output, under _Fp32Reductions), else through _dgrad_kernel. The workspaces are carved
+out of the gradient buffers before they are written, so the extra memory stays O(N) plus a bounded scratch. Nothing
+uses atomics; _dgrad_kernel reduces in a fixed order, and cuBLAS is bitwise reproducible run to run on one GPU
+model (NVIDIA's documented guarantee), so every gradient is.
 
 Sparsity (docs/kernels.md): on a peaked softmax most (token block x tile) pairs hold a probability mass far below the
 input dtype's resolution. skip_plan bounds, per row, the mass of the pairs it skips by skip_threshold and never skips
@@ -45,6 +47,7 @@ pairs (a list per token block and per tile, built on the device).
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -65,6 +68,13 @@ except ImportError:  # pragma: no cover
 SCRATCH_BYTES = 8 << 20
 # Tests set this: every output and workspace starts as NaN, so an element that is never written shows up.
 DEBUG_POISON = False
+# The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
+# (torch.mm / torch.addmm with a float32 output for dx) instead of _dgrad_kernel: None = for bfloat16 / float16
+# on CUDA, without skipping or a vocabulary order, where torch has matmuls with a float32 output (>= 2.8). Tests
+# set True to run the same calls on the CPU (there in float32). H200: fwd+bwd 2-3% faster at D >= 2304, 8% at
+# qwen3-small (notes/linear_head.md, v17).
+TORCH_PRODUCTS: bool | None = None
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
 
 
 def _new(shape, **kw) -> torch.Tensor:
@@ -699,6 +709,81 @@ def _sum_splits_kernel(part_ptr, out_ptr, perm_ptr, n, n_splits, D,
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# The gradient products through torch (cuBLAS)
+
+
+def _torch_products(x: torch.Tensor, w: torch.Tensor, skip: bool, has_perm: bool) -> bool:
+    # Rows with unit stride only: cuBLAS would need a copy of an operand strided otherwise.
+    if skip or has_perm or x.stride(1) != 1 or w.stride(1) != 1:
+        return False
+    if TORCH_PRODUCTS is not None:
+        return TORCH_PRODUCTS
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE
+
+
+class _Fp32Reductions:
+    """While active, cuBLAS reduces bfloat16 / float16 products in float32 only: by default PyTorch lets it reduce
+    split-K partials in the output's dtype (and a user may turn on float16 accumulation), which would be bf16 / fp16
+    accumulation across tiles. Reentrant and thread-safe (autograd runs one backward thread per GPU): the first
+    entry saves the user's settings, the last exit restores them, and in between every cuBLAS call of the process
+    reduces in float32 (never less precise than the user asked)."""
+
+    _lock = threading.Lock()
+    _active = 0
+    _saved: dict = {}
+
+    def __enter__(self):
+        with self._lock:
+            if _Fp32Reductions._active == 0:
+                saved = {}
+                for k in ("bf16", "fp16"):
+                    get = getattr(torch._C, f"_get_cublas_allow_{k}_reduced_precision_reduction", None)
+                    if get is not None:
+                        saved[k] = get()
+                        setattr(torch.backends.cuda.matmul, f"allow_{k}_reduced_precision_reduction", False)
+                if hasattr(torch._C, "_get_cublas_allow_fp16_accumulation"):
+                    saved["acc"] = torch._C._get_cublas_allow_fp16_accumulation()
+                    torch._C._set_cublas_allow_fp16_accumulation(False)
+                _Fp32Reductions._saved = saved
+            _Fp32Reductions._active += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            _Fp32Reductions._active -= 1
+            if _Fp32Reductions._active == 0:
+                saved = _Fp32Reductions._saved
+                for k in ("bf16", "fp16"):
+                    if k in saved:
+                        v = saved[k]
+                        setattr(torch.backends.cuda.matmul, f"allow_{k}_reduced_precision_reduction",
+                                v if isinstance(v, bool) else tuple(v))
+                if "acc" in saved:
+                    torch._C._set_cublas_allow_fp16_accumulation(saved["acc"])
+        return False
+
+
+def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
+    """dw_rows = dz^T @ x (float32 accumulation, one rounding to dw_rows' dtype) and dx_acc (float32) = or +=
+    dz @ wc, for dz (N, rows) and wc (rows, D); either output may be None."""
+    if not x.is_cuda:  # the tests' stand-in: the same products in float32
+        if dw_rows is not None:
+            dw_rows.copy_(dz.t().float() @ x.float())
+        if dx_acc is not None:
+            p = dz.float() @ wc.float()
+            dx_acc.add_(p) if accumulate else dx_acc.copy_(p)
+        return
+    with _Fp32Reductions():
+        if dw_rows is not None:
+            torch.mm(dz.t(), x, out=dw_rows)
+        if dx_acc is not None:
+            if accumulate:
+                torch.addmm(dx_acc, dz, wc, out_dtype=torch.float32, out=dx_acc)
+            else:
+                torch.mm(dz, wc, out_dtype=torch.float32, out=dx_acc)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Configuration
 
 
@@ -1220,6 +1305,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if DEBUG_PLANS is not None:
             DEBUG_PLANS.append(sp)
     lists = (sp.list_n, sp.pre_n, sp.list_v, sp.pre_v) if skip else (dummy,) * 4
+    torch_products = _torch_products(x, w, skip, has_perm)
     dz_tma = _use_tma(cfg, x, w, perm)
     dz_x, dz_w = _operands(x, w, dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
     scratch = []  # one lazily allocated buffer of ws.scratch bytes (more only if one row of N tokens needs more)
@@ -1261,6 +1347,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         rows = v1 - v0
         do_dx = dx_acc is not None
         if not (do_dw or do_dx):
+            return
+        if torch_products:
+            _products_torch(dz, x, w[v0:v1], dw[v0:v1] if do_dw else None, dx_acc, accumulate)
             return
         n_out = cdiv(rows, cfg.block_m) * cdiv(D, cfg.block_d)
         n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.block_d) if do_dx else 0
