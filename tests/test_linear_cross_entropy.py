@@ -89,6 +89,28 @@ def test_drop_in_for_torch_linear_cross_entropy():
         ours = logitless.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
         theirs = F.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # torch's chunking options are accepted (and mean nothing here); anything else is refused by name
+    kw = dict(linear_bias=b, ignore_index=None)
+    if hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        kw["options"] = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=8)
+    torch.testing.assert_close(logitless.linear_cross_entropy(x, w, t, **kw), F.linear_cross_entropy(x, w, t, **kw),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="options must be None or a torch.nn.LinearCrossEntropyOptions"):
+        logitless.linear_cross_entropy(x, w, t, options={"batch_chunk_size": 8})
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch has no F.linear_cross_entropy")
+def test_signature_covers_torch_linear_cross_entropy():
+    # Every parameter of torch's function is ours too, of the same kind, positional ones in the same order.
+    import inspect
+
+    theirs = inspect.signature(F.linear_cross_entropy).parameters
+    ours = inspect.signature(logitless.linear_cross_entropy).parameters
+    for name, p in theirs.items():
+        assert name in ours, name
+        assert ours[name].kind == p.kind, name
+    positional = [n for n, p in theirs.items() if p.kind != inspect.Parameter.KEYWORD_ONLY]
+    assert list(ours)[: len(positional)] == positional
 
 
 def test_only_requested_gradients():

@@ -258,6 +258,7 @@ def linear_cross_entropy(
     vocab_order: str | torch.Tensor = "none",
     workspace_bytes: int | None = None,
     process_group=None,
+    options=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` against ``target``, never building the logits.
 
@@ -306,10 +307,14 @@ def linear_cross_entropy(
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.
+        options: accepted so that calls written for ``torch.nn.functional.linear_cross_entropy`` run unchanged:
+            ``None`` or a ``torch.nn.LinearCrossEntropyOptions``, whose chunking settings have no meaning here
+            (the logits are never built, whatever they say) and are ignored.
 
     Returns:
         float32 loss: a scalar, or the shape of ``target`` for ``reduction="none"``.
     """
+    _check_torch_options(options)
     ignore_index = -100 if ignore_index is None else ignore_index
     if process_group is not None:
         from . import distributed
@@ -332,6 +337,14 @@ def linear_cross_entropy(
         return _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
                            vocab_order, workspace_bytes)
     return reference.lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
+
+
+def _check_torch_options(options) -> None:
+    torch_options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or (torch_options is not None and isinstance(options, torch_options)):
+        return
+    raise TypeError("options must be None or a torch.nn.LinearCrossEntropyOptions (accepted for compatibility with "
+                    f"torch.nn.functional.linear_cross_entropy, and ignored), got {type(options).__name__}")
 
 
 def _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
