@@ -773,14 +773,16 @@ def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
             p = dz.float() @ wc.float()
             dx_acc.add_(p) if accumulate else dx_acc.copy_(p)
         return
+    # (float32 operands, only when a test forces this path on CUDA: the plain float32 products)
+    to_f32 = dict(out_dtype=torch.float32) if dz.dtype != torch.float32 else {}
     with _Fp32Reductions():
         if dw_rows is not None:
             torch.mm(dz.t(), x, out=dw_rows)
         if dx_acc is not None:
             if accumulate:
-                torch.addmm(dx_acc, dz, wc, out_dtype=torch.float32, out=dx_acc)
+                torch.addmm(dx_acc, dz, wc, **to_f32, out=dx_acc)
             else:
-                torch.mm(dz, wc, out_dtype=torch.float32, out=dx_acc)
+                torch.mm(dz, wc, **to_f32, out=dx_acc)
 
 
 # ------------------------------------------------------------------------------------------------------------------
