@@ -302,7 +302,7 @@ def linear_cross_entropy(
             afterwards, recomputing their logits. At least ``4 * N * D`` bytes more than 8 MiB (N tokens, D
             features) give the accumulator its own buffer, which removes that second pass; the rest widens the
             vocabulary chunks (up to 8192 classes) and holds split partials. On an H200 at the benchmark's shapes,
-            ``4 * N * D + 256 MiB`` made forward + backward 2-15% faster (BENCHMARKS.md). The result does not depend
+            ``4 * N * D + 256 MiB`` made forward + backward 1-10% faster (BENCHMARKS.md). The result does not depend
             on it beyond float32 summation order. Ignored on the PyTorch path and with ``process_group``.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
