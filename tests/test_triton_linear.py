@@ -245,6 +245,14 @@ def test_backward_workspaces(name, products, monkeypatch):
     cfg = lh._config(torch.empty(1, device=DEV))._replace(grad_tma=products == "kernel-tma")
     monkeypatch.setattr(lh, "CONFIG_OVERRIDE", cfg)
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", products == "torch")
+    entered = []  # the torch products run under float32-only cuBLAS reductions
+
+    class Fp32Reductions(lh._Fp32Reductions):
+        def __enter__(self):
+            entered.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(lh, "_Fp32Reductions", Fp32Reductions)
     plans, workspaces = [], []
     make_plan, workspace = lh._plan, lh._workspace
     monkeypatch.setattr(lh, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
@@ -282,6 +290,7 @@ def test_backward_workspaces(name, products, monkeypatch):
     for grad_name, go, gt, g64 in zip([f"d_{k}" for k in needs], ours_grads, grads(theirs, theirs_in),
                                       grads(truth, t64_in), strict=True):
         assert_within_rule(grad_name, go, gt, g64)
+    assert bool(entered) == (products == "torch" and needs != "b")  # (a bias gradient alone needs no product)
     if name == "first_pass_split" and products != "torch":
         assert any(k < n for k in chosen), chosen
     if name == "second_pass_tail_split" and products != "torch":

@@ -71,7 +71,7 @@ DEBUG_POISON = False
 # The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
 # (torch.mm / torch.addmm with a float32 output for dx) instead of _dgrad_kernel: None = for bfloat16 / float16
 # on CUDA, without skipping or a vocabulary order, where torch has matmuls with a float32 output (>= 2.8). Tests
-# set True to run the same calls on the CPU (there in float32). H200: fwd+bwd 2-3% faster at D >= 2304, 8% at
+# set True to run the same calls on the CPU (there in float32). H200: fwd+bwd 2-5% faster at D >= 2304, 5-6% at
 # qwen3-small (notes/linear_head.md, v17).
 TORCH_PRODUCTS: bool | None = None
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
@@ -766,16 +766,15 @@ class _Fp32Reductions:
 def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
     """dw_rows = dz^T @ x (float32 accumulation, one rounding to dw_rows' dtype) and dx_acc (float32) = or +=
     dz @ wc, for dz (N, rows) and wc (rows, D); either output may be None."""
-    if not x.is_cuda:  # the tests' stand-in: the same products in float32
-        if dw_rows is not None:
-            dw_rows.copy_(dz.t().float() @ x.float())
-        if dx_acc is not None:
-            p = dz.float() @ wc.float()
-            dx_acc.add_(p) if accumulate else dx_acc.copy_(p)
-        return
-    # (float32 operands, only when a test forces this path on CUDA: the plain float32 products)
-    to_f32 = dict(out_dtype=torch.float32) if dz.dtype != torch.float32 else {}
     with _Fp32Reductions():
+        if not x.is_cuda:  # the tests' stand-in: the same products in float32
+            if dw_rows is not None:
+                dw_rows.copy_(dz.t().float() @ x.float())
+            if dx_acc is not None:
+                torch.addmm(dx_acc, dz.float(), wc.float(), beta=1.0 if accumulate else 0.0, out=dx_acc)
+            return
+        # (float32 operands, only when a test forces this path on CUDA: the plain float32 products)
+        to_f32 = dict(out_dtype=torch.float32) if dz.dtype != torch.float32 else {}
         if dw_rows is not None:
             torch.mm(dz.t(), x, out=dw_rows)
         if dx_acc is not None:
