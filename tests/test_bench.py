@@ -247,3 +247,35 @@ def test_warm_up_gives_the_first_run_a_compile_allowance(times, raises, runs):
     else:
         assert measure.warm_up(step, lambda: None, torch.device("cpu"), 1, 0.1) < 0.1
     assert len(calls) == runs
+
+
+def _name_columns(lines, names):
+    """The column at which the text after each provider's name starts, asserting a space separates the two."""
+    cols = set()
+    for name in names:
+        found = [ln for ln in lines if ln.startswith(f"  {name} ")]
+        assert len(found) == 1, f"no line of {name} alone: {[ln for ln in lines if name in ln]}"
+        line = found[0]
+        cols.add(len(line) - len(line[len(name) + 2:].lstrip(" ")))
+    return cols
+
+
+def test_help_and_list_align_the_longest_provider_name(capsys):
+    # logitless-triton-ws is 19 characters: a fixed 18-wide column ran it into its description.
+    names = [p.name for p in providers.REGISTRY]
+    assert max(map(len, names)) >= 19
+    help_lines = bench_cli.build_parser().format_help().splitlines()
+    assert len(_name_columns(help_lines, names)) == 1
+    assert bench_cli.main(["--list", "--device", "cpu"]) == 0
+    assert len(_name_columns(capsys.readouterr().out.splitlines(), names)) == 1
+
+
+@pytest.mark.parametrize("argv, emptied", [
+    (["--exclude", FAST], "train, logprobs, ce"),  # every default CPU provider
+    (["--job", "train,ce", "--providers", "torch-lce,floor", "--exclude", "floor"], "ce"),  # torch-lce has no ce
+])
+def test_exclude_that_leaves_a_job_no_provider_exits_2(argv, emptied, capsys):
+    with pytest.raises(SystemExit) as e:
+        _resolve(["--device", "cpu", *argv])
+    assert e.value.code == 2
+    assert f"--exclude leaves no provider for job(s) {emptied}\n" in capsys.readouterr().err

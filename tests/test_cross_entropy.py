@@ -52,3 +52,28 @@ def test_all_ignored_and_empty():
         for red in ("mean", "sum", "none"):
             torch.testing.assert_close(logitless.cross_entropy(zz, tt, reduction=red),
                                        F.cross_entropy(zz, tt, reduction=red), equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_inplace_leaves_logits_alone_without_grad_mode(backend):
+    # Under torch.no_grad no backward can run, so nothing may be overwritten (on either path).
+    z, t = make_logits(torch.float32, n=6, v=33)
+    a = z.clone().requires_grad_(True)
+    with torch.no_grad():
+        loss = logitless.cross_entropy(a, t, inplace_backward=True, backend=backend)
+    assert torch.equal(a.detach(), z)
+    assert torch.allclose(loss, F.cross_entropy(z.double(), t).float())
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_inplace_transposed_logits_are_copied(backend):
+    # Logits strided along the classes are copied first; the copy takes the gradient, the caller's tensor keeps
+    # its logits (README), and the gradient is right.
+    z, t = make_logits(torch.float32, n=6, v=33)
+    base = z.t().contiguous().t().requires_grad_(True)
+    assert base.stride(1) != 1
+    logitless.cross_entropy(base, t, inplace_backward=True, backend=backend).backward()
+    assert torch.equal(base.detach(), z)
+    z64 = z.double().requires_grad_(True)
+    F.cross_entropy(z64, t).backward()
+    assert torch.allclose(base.grad.double(), z64.grad, atol=1e-6)

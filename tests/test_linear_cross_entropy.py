@@ -141,3 +141,42 @@ def test_torch_compile_fullgraph():
                                               backend="torch")
 
     assert_compiled_matches_eager(loss_fn, x, w, b, t)
+
+
+def test_running_counts_load_from_used_and_fresh_checkpoints():
+    # vocab_order="running" keeps its counts in a buffer that exists from the first forward on: strict loading
+    # must take the checkpoint of a used module into a fresh one and back, alone and inside a model.
+    x, w, _, t = make_case(torch.float32)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loss = logitless.LinearCrossEntropyLoss(vocab_order="running")
+
+    used, fresh = Model(), Model()
+    used.loss(x, w, t)
+    used.loss(x, w, t.flip(0))
+    saved = {k: v.clone() for k, v in used.state_dict().items()}  # state_dict() aliases the buffer
+    assert list(saved) == ["loss.vocab_counts"]
+    fresh.load_state_dict(used.state_dict())
+    counts = fresh.loss.vocab_counts
+    assert counts.shape == (V,) and counts.dtype == torch.float32 and counts.device == x.device
+    torch.testing.assert_close(counts, saved["loss.vocab_counts"], rtol=0, atol=0)
+    # The next forward updates the loaded counts, as the used module's own.
+    fresh.loss(x, w, t)
+    used.loss(x, w, t)
+    torch.testing.assert_close(fresh.loss.vocab_counts, used.loss.vocab_counts)
+    assert not torch.equal(fresh.loss.vocab_counts, saved["loss.vocab_counts"])
+    # A fresh module's state resets the counts.
+    used.load_state_dict(Model().state_dict())
+    assert used.loss.vocab_counts is None and used.state_dict() == {}
+    # Alone, counts of another dtype (after .double()) come in as saved; .to() moves them as any buffer.
+    lone = logitless.LinearCrossEntropyLoss(vocab_order="running")
+    lone.load_state_dict({"vocab_counts": saved["loss.vocab_counts"].double()})
+    assert lone.vocab_counts.dtype == torch.float64
+    assert lone.to(torch.float32).vocab_counts.dtype == torch.float32
+    # Without running counts the module has no state to save or load.
+    plain = logitless.LinearCrossEntropyLoss(vocab_order="batch")
+    plain(x, w, t)
+    assert plain.state_dict() == {}
+    plain.load_state_dict({})

@@ -393,3 +393,19 @@ def test_unknown_head_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.delitem(score._LOGIT_SCALES, "granite")
     _fails(["--model", str(model_dirs["granite"]), str(_jsonl(tmp_path, DOCS))], capsys, "GraniteForCausalLM",
            "cannot be scored correctly")
+
+
+def test_unusable_backend_is_one_line_before_the_model_loads(model_dirs, tmp_path, capsys, monkeypatch):
+    # Triton on a CPU without its interpreter cannot run; the dispatcher's message is the error, nothing is loaded.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the dispatcher reads it at call time
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the backend was checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    argv = ["--model", str(model_dirs["llama"]), "--device", "cpu", "--backend", "triton", str(_jsonl(tmp_path, DOCS))]
+    assert score.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("logitless score: error: ") and err.count("\n") == 1, err
+    assert "backend='triton' needs CUDA tensors" in err and "TRITON_INTERPRET=1" in err, err

@@ -5,6 +5,11 @@ import torch
 
 import logitless
 
+# Load the kernels now, while the interpreter is on (conftest): test_backend_selection turns it off for a while,
+# and a @triton.jit function decorated then could not run under the interpreter afterwards.
+from logitless.kernels import cross_entropy as _ce_kernels  # noqa: F401
+from logitless.kernels import linear_head as _lh_kernels  # noqa: F401
+
 V, D = 11, 5
 
 
@@ -59,6 +64,11 @@ def test_ignore_index_is_accepted_out_of_range():
     ({"temperature": float("nan")}, ValueError, "temperature must be a positive"),
     ({"softcap": -2.0}, ValueError, "softcap must be a positive"),
     ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+    ({"ignore_index": True}, TypeError, "ignore_index must be an int"),
+    ({"return_entropy": "no"}, TypeError, "return_entropy must be a bool"),
+    # A bool is not a number here: softcap=True would silently mean a cap of 1.
+    ({"temperature": True}, TypeError, "temperature must be a Python float"),
+    ({"softcap": True}, TypeError, "softcap must be a Python float"),
 ])
 def test_log_probs_rejects(kw, exc, msg):
     x, w, t = base()
@@ -118,3 +128,53 @@ def test_gpu_out_of_range_target_trips_device_assert(backend):
     assert "NO ERROR" not in out.stdout
     assert out.returncode != 0
     assert "outside [0, 32)" in out.stderr or "device-side assert" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kw", [{"softcap": True}, {"label_smoothing": True}, {"z_loss": True}])
+def test_bools_are_not_numbers(kw):
+    x, w, t = base()
+    with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a Python float"):
+        logitless.linear_cross_entropy(x, w, t, **kw)
+    with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a Python float"):
+        logitless.cross_entropy(x @ w.T, t, **kw)
+
+
+def test_ignore_index_none_and_integer_types():
+    # None means -100 everywhere (as in F.linear_cross_entropy); any integer type is an index.
+    import numpy as np
+
+    x, w, t = base()
+    t[1] = -100
+    want = logitless.linear_log_probs(x, w, t)
+    for ii in (None, np.int64(-100), torch.iinfo(torch.int64).min * 0 - 100):
+        assert torch.equal(logitless.linear_log_probs(x, w, t, ignore_index=ii), want)
+    t = torch.tensor([2, -100, 5, 0])
+    t2 = torch.tensor([2, 7, 5, 0])
+    assert torch.equal(logitless.linear_cross_entropy(x, w, t2, ignore_index=np.int32(7)),
+                       logitless.linear_cross_entropy(x, w, t))
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_empty_feature_dimension(backend):
+    # D = 0: every logit is 0 (plus the bias), so the loss is log V, as PyTorch's own head gives.
+    x = torch.zeros(5, 0, requires_grad=True)
+    w = torch.zeros(V, 0, requires_grad=True)
+    t = torch.randint(0, V, (5,))
+    loss = logitless.linear_cross_entropy(x, w, t, backend=backend)
+    loss.backward()
+    assert torch.allclose(loss, torch.tensor(V).log())
+    assert x.grad.shape == (5, 0) and w.grad.shape == (V, 0)
+    assert torch.allclose(logitless.linear_logsumexp(x, w, backend=backend), torch.tensor(V).log().expand(5))
+    assert torch.allclose(logitless.linear_log_probs(x, w, t, backend=backend), -torch.tensor(V).log().expand(5))
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_gradients_are_not_differentiable(backend):
+    # No double backward: differentiating a gradient raises instead of giving a wrong second derivative.
+    x, w, t = base()
+    x.requires_grad_(True)
+    for loss in (logitless.linear_cross_entropy(x, w, t, backend=backend),
+                 logitless.cross_entropy(x @ w.T, t, backend=backend)):
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        with pytest.raises(RuntimeError, match="not differentiable|does not require grad"):
+            g.sum().backward()

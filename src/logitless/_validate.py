@@ -7,6 +7,7 @@ at once, on other devices they go through a device-side assertion that fires by 
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -53,27 +54,45 @@ def check_options(
     if reduction is not None and reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if label_smoothing is not None:
-        if isinstance(label_smoothing, torch.Tensor) or not isinstance(label_smoothing, (int, float)):
+        if isinstance(label_smoothing, (torch.Tensor, bool)) or not isinstance(label_smoothing, (int, float)):
             raise TypeError(f"label_smoothing must be a Python float, got {type(label_smoothing).__name__}")
         if not 0.0 <= float(label_smoothing) <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if z_loss is not None:
-        if isinstance(z_loss, torch.Tensor) or not isinstance(z_loss, (int, float)):
+        if isinstance(z_loss, (torch.Tensor, bool)) or not isinstance(z_loss, (int, float)):
             raise TypeError(f"z_loss must be a Python float, got {type(z_loss).__name__}")
         if not float(z_loss) >= 0.0:
             raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if softcap is not None:
-        if isinstance(softcap, torch.Tensor) or not isinstance(softcap, (int, float)):
+        if isinstance(softcap, (torch.Tensor, bool)) or not isinstance(softcap, (int, float)):
             raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
         if not float(softcap) > 0.0 or softcap == float("inf"):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
     if temperature is not None:
-        if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        if isinstance(temperature, (torch.Tensor, bool)) or not isinstance(temperature, (int, float)):
             raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
         if not float(temperature) > 0.0 or temperature == float("inf"):
             raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def ignore_index_arg(ignore_index) -> int:
+    """`ignore_index` as a Python int: None means -100 (as in torch.nn.functional.linear_cross_entropy), and any
+    integer type (a NumPy integer, a 0-d index tensor is not one) is accepted; bools and floats are not."""
+    if ignore_index is None:
+        return -100
+    if isinstance(ignore_index, (bool, torch.Tensor)):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    try:
+        return operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}") from None
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index: int, device) -> torch.Tensor:
@@ -136,7 +155,7 @@ def check_linear(input, linear_weight, linear_bias) -> tuple[torch.Tensor, torch
     if V == 0:
         raise ValueError("linear_weight has no rows: the vocabulary must not be empty")
     lead_shape = input.shape[:-1]
-    return input.reshape(-1, D), lead_shape
+    return input.reshape(lead_shape.numel(), D), lead_shape  # -1 cannot be inferred when D == 0
 
 
 def linear_head(input, linear_weight, target, linear_bias, ignore_index) -> HeadArgs:

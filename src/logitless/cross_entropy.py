@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple, overload
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
@@ -128,6 +129,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
         if not ctx.needs_input_grad[0]:
             return (None,) * 9
@@ -153,7 +155,7 @@ def _cross_entropy_triton(logits2d, target, weight, reduction, ignore_index, lab
         raise TypeError(f"cross_entropy: the Triton kernels take float32, bfloat16 or float16 logits, got "
                         f"{logits2d.dtype}; use backend='torch'")
     if logits2d.stride(1) != 1:
-        logits2d = logits2d.contiguous()  # then inplace_backward overwrites this copy, not the caller's tensor
+        logits2d = logits2d.contiguous()  # the kernels read rows with unit stride
     class_w = None if weight is None else weight.to(torch.float32).contiguous()
     return _TritonCrossEntropy.apply(logits2d, target.contiguous(), class_w, reduction, ignore_index,
                                      float(label_smoothing), float(z_loss),
@@ -216,7 +218,7 @@ def cross_entropy(
         The float32 loss (a scalar, or the shape of ``target`` for ``reduction="none"``), or
         ``CrossEntropyOutput(loss, lse)`` when ``return_lse=True``.
     """
-    ignore_index = -100 if ignore_index is None else ignore_index
+    ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     for name, flag in (("inplace_backward", inplace_backward), ("return_lse", return_lse)):
@@ -227,6 +229,10 @@ def cross_entropy(
     chosen = resolve_backend(backend, logits.device, "cross_entropy")
     if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
         chosen = "torch"  # float64 has no kernels
+    # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
+    inplace_backward = inplace_backward and torch.is_grad_enabled()
+    if inplace_backward and logits2d.stride(1) != 1:
+        logits2d = logits2d.contiguous()  # the gradient overwrites this copy, not the caller's tensor
     if chosen == "torch":
         loss, lse = reference.cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index,
                                                   label_smoothing, z_loss, softcap, return_lse=True,

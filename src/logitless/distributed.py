@@ -537,7 +537,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         float32 loss, a scalar or the shape of ``target`` for ``reduction="none"``. The input gradient comes back
         complete (all-reduced over the group) on every rank; each rank gets the gradient of its own shard.
     """
-    ignore_index = -100 if ignore_index is None else ignore_index
+    ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     group, x, w, b, cw, lead, layout, valid, t_local = _prepare(
@@ -565,6 +565,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
         float32 log-probs of the shape of ``target`` (0 where ignored), or ``(log_probs, entropy)`` with
         ``return_entropy=True``.
     """
+    ignore_index = _validate.ignore_index_arg(ignore_index)
+    _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     group, x, w, b, _, lead, _, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size)

@@ -24,6 +24,12 @@ def _kernels():
     return linear_head
 
 
+def _unit_stride(*ts):
+    # The kernels index 1-D operands (bias, targets, class weights) with unit stride; a strided view (labels[:, 0],
+    # a column of a table) is copied here, inside the op, so autograd still sees the caller's tensor.
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in ts)
+
+
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
                  "float skip_threshold, int? workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -38,6 +44,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold and workspace_bytes
     are for the backward."""
     lh = _kernels()
+    bias, target, class_weight = _unit_stride(bias, target, class_weight)
     tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles)
@@ -66,6 +73,7 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
              need_db, perm, tile_lse, skip_threshold, workspace_bytes):
     """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty.
     With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
+    bias, target, class_weight = _unit_stride(bias, target, class_weight)
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                      inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                                      perm=perm, tile_lse=tile_lse, skip_threshold=skip_threshold,
@@ -107,6 +115,19 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles):
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("logitless: the gradients of linear_cross_entropy, linear_log_probs and linear_logsumexp are "
+                       "not differentiable (no double backward / create_graph=True through them)")
+
+
+# Without this, differentiating the gradients fails with "no autograd formula was registered".
+torch.library.register_autograd("logitless::linear_head_grad", _no_double_backward, setup_context=_no_setup)
 
 
 def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
@@ -315,7 +336,7 @@ def linear_cross_entropy(
         float32 loss: a scalar, or the shape of ``target`` for ``reduction="none"``.
     """
     _check_torch_options(options)
-    ignore_index = -100 if ignore_index is None else ignore_index
+    ignore_index = _validate.ignore_index_arg(ignore_index)
     if process_group is not None:
         from . import distributed
 

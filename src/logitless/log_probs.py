@@ -61,6 +61,8 @@ def linear_log_probs(
         float32 log-probs of the shape of ``target`` (0 at ``ignore_index`` positions), and with
         ``return_entropy=True`` a tuple ``(log_probs, entropy)``; the entropy is 0 at ignored positions too.
     """
+    ignore_index = _validate.ignore_index_arg(ignore_index)
+    _validate.check_flag("return_entropy", return_entropy)
     if process_group is not None:
         from . import distributed
 

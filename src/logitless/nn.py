@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _validate
 from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy, running_class_counts
 
@@ -17,7 +18,7 @@ class _LossOptions(torch.nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.reduction = reduction
-        self.ignore_index = ignore_index
+        self.ignore_index = _validate.ignore_index_arg(ignore_index)  # None -> -100, as the functions take it
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.softcap = softcap
@@ -32,7 +33,8 @@ class LinearCrossEntropyLoss(_LossOptions):
     linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold``, ``vocab_order`` and
     ``workspace_bytes`` are the function's (no skipping, 8 MiB by default); ``vocab_order="running"`` orders the
     vocabulary by target counts kept across training steps (the ``vocab_counts`` buffer, decayed by 0.99 per step,
-    updated on the device)."""
+    updated on the device; in the state_dict from the first forward on, and a state without it loads as a fresh
+    module's)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
@@ -50,14 +52,30 @@ class LinearCrossEntropyLoss(_LossOptions):
                 linear_bias: torch.Tensor | None = None) -> torch.Tensor:
         order = self.vocab_order
         if order == "running":
-            self.vocab_counts = running_class_counts(self.vocab_counts, target, linear_weight.shape[0],
-                                                     self.ignore_index, update=self.training)
+            counts = self.vocab_counts
+            if counts is not None and counts.device != target.device:
+                counts = counts.to(target.device)  # loaded from a checkpoint elsewhere: keep, do not restart them
+            self.vocab_counts = running_class_counts(counts, target, linear_weight.shape[0], self.ignore_index,
+                                                     update=self.training)
             order = self.vocab_counts
         return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order,
                                     workspace_bytes=self.workspace_bytes)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The counts exist from the first forward on, so a checkpoint holds them or not, and strict loading would
+        # refuse one of the two. Saved counts are copied into a buffer made like them (shape, dtype, device; .to()
+        # moves it as any buffer) unless one of their shape exists; a state without counts is a fresh module's.
+        if self.vocab_order == "running":
+            saved = state_dict.get(prefix + "vocab_counts")
+            if saved is None:
+                self.vocab_counts = None
+            elif isinstance(saved, torch.Tensor) and (self.vocab_counts is None
+                                                      or self.vocab_counts.shape != saved.shape):
+                self.vocab_counts = torch.empty_like(saved)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order", "workspace_bytes")
 

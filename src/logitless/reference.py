@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import _validate
 
@@ -88,7 +89,9 @@ class _RowStats:
         e = torch.exp(z - m_safe[:, None])
         if self.ent is not None:
             shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-            self.ent = alpha * (self.ent + shift * self.s) + (e * (z - m_safe[:, None])).sum(dim=1)
+            # A class at -inf (a vocabulary masked by a -inf bias) has e = 0 and adds 0, not 0 * -inf.
+            ed = torch.where(e > 0, e * (z - m_safe[:, None]), torch.zeros_like(e))
+            self.ent = alpha * (self.ent + shift * self.s) + ed.sum(dim=1)
         self.s = self.s * alpha + e.sum(dim=1)
         self.m = m_new
         if self.target is not None:
@@ -145,6 +148,7 @@ def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
     p = torch.exp((z - m_c[:, None]) - logs_c[:, None])
     if B_c is not None:
         dz = p * (A_c[:, None] + B_c[:, None] * (z - m_c[:, None]))
+        dz = torch.where(p > 0, dz, torch.zeros_like(dz))  # p = 0 at z = -inf: 0, not 0 * inf
     else:
         dz = p.mul_(A_c[:, None])
     if E_c is not None:
@@ -287,6 +291,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
         x, w, b, target, class_w, m, logs = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
@@ -320,6 +325,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return logp, ent, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_ent, _grad_lse):
         x, w, b, target, m, logs, ent = ctx.saved_tensors
         ignore_index, softcap, inv_temp = ctx.opts
@@ -356,6 +362,7 @@ class _LinearLogSumExp(torch.autograd.Function):
         return m + logs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_lse):
         x, w, b, m, logs = ctx.saved_tensors
         softcap, inv_temp = ctx.opts
@@ -386,6 +393,7 @@ class _CrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
         if ctx.inplace:
             if getattr(ctx, "consumed", False):
@@ -431,7 +439,7 @@ def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, so
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """Chunked PyTorch twin of :func:`logitless.linear_cross_entropy`."""
-    ignore_index = -100 if ignore_index is None else ignore_index
+    ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
@@ -453,6 +461,8 @@ def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
                      ignore_index=-100, return_entropy=False):
     """Chunked PyTorch twin of :func:`logitless.linear_log_probs`."""
+    ignore_index = _validate.ignore_index_arg(ignore_index)
+    _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     return log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
@@ -485,7 +495,7 @@ def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_
 def cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
                   z_loss=0.0, softcap=None, inplace_backward=False, return_lse=False):
     """Chunked PyTorch twin of :func:`logitless.cross_entropy` (`return_lse` gives a plain (loss, lse) tuple)."""
-    ignore_index = -100 if ignore_index is None else ignore_index
+    ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._dispatch import resolve_backend
+
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "auto": None}
 _FORMATS = ("auto", "text", "lines", "jsonl")
@@ -246,7 +248,7 @@ class _Model:
 
         self.device = _resolve_device(device_arg)
         self.dtype = _resolve_dtype(dtype_key, self.device)
-        self.backend = backend
+        self.backend = _check_backend(backend, self.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         except Exception as e:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
@@ -382,6 +384,15 @@ def _resolve_device(arg: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ScoreError(f"--device {arg}: CUDA is not available on this machine")
     return device
+
+
+def _check_backend(backend: str, device: torch.device) -> str:
+    """`backend`, once the dispatcher agrees that it can run linear_log_probs on `device` (before the model loads)."""
+    try:
+        resolve_backend(backend, device, "linear_log_probs")
+    except (RuntimeError, ValueError) as e:  # Triton asked for where it cannot run, a bad $LOGITLESS_BACKEND
+        raise ScoreError(str(e)) from None
+    return backend
 
 
 def _resolve_dtype(key: str, device: torch.device) -> torch.dtype:

@@ -62,8 +62,14 @@ def _split(values):
     return out
 
 
+def _name_width() -> int:
+    """Column width of the provider names in --help and --list: the longest, and two spaces."""
+    return max(len(p.name) for p in providers.REGISTRY) + 2
+
+
 def build_parser() -> argparse.ArgumentParser:
-    prov = "\n".join(f"  {p.name:18s}{p.description}" for p in providers.REGISTRY)
+    width = _name_width()
+    prov = "\n".join(f"  {p.name:{width}s}{p.description}" for p in providers.REGISTRY)
     pres = "\n".join(f"  {k:14s}N={n}, D={d}, V={v}" for k, (n, d, v) in C.PRESETS.items())
     ap = argparse.ArgumentParser(
         prog="logitless bench", description=DESCRIPTION, epilog=EPILOG.format(providers=prov, presets=pres),
@@ -170,7 +176,12 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     for n in excluded:
         if n not in known:
             parser.error(f"unknown provider {n!r} in --exclude; expected some of {', '.join(known)}")
-    chosen = [p for p in chosen if p.name not in excluded]
+    left = [p for p in chosen if p.name not in excluded]
+    # Jobs that had a provider and have none after --exclude would print empty tables: refuse them up front.
+    emptied = [j for j in jobs if any(j in p.jobs for p in chosen) and not any(j in p.jobs for p in left)]
+    if emptied:
+        parser.error(f"--exclude leaves no provider for job(s) {', '.join(emptied)}")
+    chosen = left
     if args.check_rows is not None and args.check_rows < 1:
         parser.error("--check-rows must be at least 1")
     if args.min_reps < 1 or args.max_reps < args.min_reps:
@@ -209,10 +220,11 @@ def _meta(argv, device: torch.device, chosen) -> dict:
 
 def _list(device: torch.device) -> int:
     print(f"device: {device}")
+    width = _name_width()
     for p in providers.REGISTRY:
         reasons = {job: p.unavailable(job, device) for job in p.jobs}
         ok = [j for j, r in reasons.items() if not r]
-        line = f"  {p.name:18s} {'jobs: ' + ', '.join(ok) if ok else 'unavailable'}"
+        line = f"  {p.name:{width}s}{'jobs: ' + ', '.join(ok) if ok else 'unavailable'}"
         bad = [r for r in reasons.values() if r]
         if bad:
             line += f"   ({bad[0]})"

@@ -234,7 +234,8 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
     if MASKED:
         e = tl.where(col_ok[None, :], e, 0.0)
     if HAS_ENTROPY:
-        ent = _rescale_ent(ent, s, alpha, m - m_new) + tl.sum(e * d, axis=1)
+        # A class at -inf (masked by a -inf bias) has e = 0 and adds 0, not 0 * -inf = NaN.
+        ent = _rescale_ent(ent, s, alpha, m - m_new) + tl.sum(tl.where(e > 0, e * d, 0.0), axis=1)
     e_sum = tl.sum(e, axis=1)
     s = s * alpha + e_sum
     if HAS_SMOOTH:
@@ -443,6 +444,7 @@ def _dz_kernel(
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
         g = p * (a[:, None] + bc[:, None] * (z - m[:, None]))  # B multiplies z - m: no cancellation at |z|~1e4
+        g = tl.where(p > 0, g, 0.0)  # p = 0 at z = -inf (a -inf bias): 0, not 0 * inf
     else:
         g = p * a[:, None]
     if HAS_C:
