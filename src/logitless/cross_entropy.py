@@ -207,7 +207,8 @@ def cross_entropy(
         inplace_backward: **the logits are overwritten.** The gradient w.r.t. the logits is written over the logits
             buffer (by the forward on the Triton path, by the backward on the PyTorch path) instead of a new N x V
             tensor, and returned as that gradient: after the call the logits hold no logits any more. Only when the
-            logits require grad; backward can then run once. Reading the logits afterwards, or an earlier op that
+            logits require grad and grad mode is on; backward can then run once. Logits strided along the classes
+            are copied first (the copy is overwritten). Reading the logits afterwards, or an earlier op that
             saved them for its own backward, sees the gradient (autograd raises in the second case, as the version
             counter is bumped).
         return_lse: also return the per-row log-sum-exp (float32, shape of ``target``, not differentiable).
