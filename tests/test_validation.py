@@ -146,7 +146,7 @@ def test_ignore_index_none_and_integer_types():
     x, w, t = base()
     t[1] = -100
     want = logitless.linear_log_probs(x, w, t)
-    for ii in (None, np.int64(-100), torch.iinfo(torch.int64).min * 0 - 100):
+    for ii in (None, np.int64(-100), -100):
         assert torch.equal(logitless.linear_log_probs(x, w, t, ignore_index=ii), want)
     t = torch.tensor([2, -100, 5, 0])
     t2 = torch.tensor([2, 7, 5, 0])

@@ -96,7 +96,8 @@ def check_flag(name: str, value) -> None:
 
 
 def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index: int, device) -> torch.Tensor:
-    """Check `target` against the leading shape and the class count; return it flattened as int64."""
+    """Check `target` against the leading shape and the class count; return it flattened, contiguous (the kernels
+    read it with unit stride: labels[:, 0] is a strided view), as int64."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
@@ -107,7 +108,7 @@ def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index:
         )
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the input is on {device}")
-    t = target.reshape(-1).long()
+    t = target.reshape(-1).long().contiguous()
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
     msg = f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}"
     if _is_compiling() or t.device.type != "cpu":

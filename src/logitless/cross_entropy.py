@@ -157,7 +157,7 @@ def _cross_entropy_triton(logits2d, target, weight, reduction, ignore_index, lab
     if logits2d.stride(1) != 1:
         logits2d = logits2d.contiguous()  # the kernels read rows with unit stride
     class_w = None if weight is None else weight.to(torch.float32).contiguous()
-    return _TritonCrossEntropy.apply(logits2d, target.contiguous(), class_w, reduction, ignore_index,
+    return _TritonCrossEntropy.apply(logits2d, target, class_w, reduction, ignore_index,
                                      float(label_smoothing), float(z_loss),
                                      None if softcap is None else float(softcap), bool(inplace))
 
@@ -222,9 +222,8 @@ def cross_entropy(
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
-    for name, flag in (("inplace_backward", inplace_backward), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    _validate.check_flag("inplace_backward", inplace_backward)
+    _validate.check_flag("return_lse", return_lse)
     logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)
     weight = _validate.check_class_weight(weight, logits2d.shape[1], logits.device)
     chosen = resolve_backend(backend, logits.device, "cross_entropy")

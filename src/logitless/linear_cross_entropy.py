@@ -24,12 +24,6 @@ def _kernels():
     return linear_head
 
 
-def _unit_stride(*ts):
-    # The kernels index 1-D operands (bias, targets, class weights) with unit stride; a strided view (labels[:, 0],
-    # a column of a table) is copied here, inside the op, so autograd still sees the caller's tensor.
-    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in ts)
-
-
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
                  "float skip_threshold, int? workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -44,7 +38,9 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold and workspace_bytes
     are for the backward."""
     lh = _kernels()
-    bias, target, class_weight = _unit_stride(bias, target, class_weight)
+    # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
+    # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)
+    bias = None if bias is None else bias.contiguous()
     tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles)
@@ -73,7 +69,7 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
              need_db, perm, tile_lse, skip_threshold, workspace_bytes):
     """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty.
     With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
-    bias, target, class_weight = _unit_stride(bias, target, class_weight)
+    bias = None if bias is None else bias.contiguous()  # as in _stats_op
     dx, dw, db = _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                      inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                                      perm=perm, tile_lse=tile_lse, skip_threshold=skip_threshold,
@@ -347,8 +343,7 @@ def linear_cross_entropy(
         )
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _validate.check_flag("deterministic", deterministic)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
     weight = _validate.check_class_weight(weight, linear_weight.shape[0], input.device)
     check_skip_options(skip_threshold, vocab_order, linear_weight.shape[0], input.device)
