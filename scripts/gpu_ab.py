@@ -8,7 +8,8 @@
 
 "A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own;
 each --set adds a version C, D, ... of the package's file with module constants changed, and each --also another
-file, named on after them (linear_head only).
+file, named on after them (linear_head only). Without --old (linear_head), A is the package's own file and the
+--set versions are B, C, ...
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
 different clocks (notes/linear_head.md, v6); here each round times A, B, ... in order or in reverse (the order
 alternates), at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad
@@ -144,7 +145,9 @@ def run_ce_shape(N: int, V: int, versions: dict, rounds: int, reps: int) -> dict
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="linear_head", choices=("linear_head", "cross_entropy"))
-    ap.add_argument("--old", required=True, help="another version of src/logitless/kernels/<kernels>.py")
+    ap.add_argument("--old", default=None,
+                    help="another version of src/logitless/kernels/<kernels>.py (linear_head: without it, A is the "
+                         "package's own file and only the --set / --also versions are compared with it)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="preset names or NxDxV, comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
@@ -160,6 +163,8 @@ def main():
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     res = {"device": dev.name, "torch": torch.__version__, "triton": triton.__version__}
     if a.kernels == "cross_entropy":
+        if a.old is None:
+            ap.error("--kernels cross_entropy needs --old")
         if a.set or a.also:
             ap.error("--set and --also are for --kernels linear_head only")
         import logitless.kernels.cross_entropy as new_ce
@@ -178,10 +183,11 @@ def main():
         return
     import logitless.kernels.linear_head as new
 
-    versions = {"A": load_old(a.old), "B": new}
-    for i, spec in enumerate(a.set):
-        # C, D, ...: the package's own file, loaded again as its own module, with module constants set
-        name = chr(ord("C") + i)
+    versions = {"A": load_old(a.old), "B": new} if a.old is not None else {"A": new}
+    for spec in a.set:
+        # C, D, ... (B, C, ... without --old): the package's own file, loaded again as its own module, with module
+        # constants set
+        name = chr(ord("A") + len(versions))
         mod = load_old(new.__file__)
         for item in spec.split(","):
             key, value = item.split("=")

@@ -300,7 +300,177 @@ def test_backward_workspaces(name, products, monkeypatch):
         # every dW row in the first pass with an accumulator of its own; else the accumulator in dW's last rows
         own = plan.dx_acc.untyped_storage().data_ptr() != ours_grads[1].untyped_storage().data_ptr()
         assert own == (plan.dw_end == v) == (name == "own_acc")
-        assert workspaces == [(4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")]
+        # (asked by the backward's plan, and by the stash's layout in forward and backward with torch's products)
+        assert set(workspaces) == {(4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")}
+
+
+# The forward's stash of logits in the weight gradient's buffer (linear_head.stash_layout), used when the gradient
+# products are torch's (cuBLAS on CUDA; forced here on the CPU, where they run in float32).
+@pytest.fixture
+def stash_spy(monkeypatch):
+    """Forces the stash's conditions and records the addresses of (stash buffer, dW returned) of each backward that
+    used one (not the tensors: a reference held here would make autograd copy the gradient)."""
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    used = []
+    backward = lh.backward
+
+    def spy(*a, **kw):
+        out = backward(*a, **kw)
+        if kw.get("stash") is not None:
+            used.append((kw["stash"].data_ptr(), out[1].data_ptr()))
+        return out
+
+    monkeypatch.setattr(lh, "backward", spy)
+    return used
+
+
+# (dtype, N, D, V, bias, options): N < D and N > D, softcap, smoothing with class weights, z-loss, a frozen input
+STASH_CASES = [
+    (torch.bfloat16, 20, 100, 700, True, dict(softcap=5.0, label_smoothing=0.1)),
+    (torch.float16, 37, 45, 300, False, dict(z_loss=1e-3, reduction="sum")),
+    (torch.bfloat16, 50, 64, 900, False, dict(class_weight=True, label_smoothing=0.2, reduction="none")),
+    (torch.bfloat16, 64, 32, 900, True, dict(frozen_input=True)),
+]
+
+
+@pytest.mark.parametrize("dtype,n,d,v,bias,opts", STASH_CASES)
+def test_stash(stash_spy, dtype, n, d, v, bias, opts):
+    opts = dict(opts)
+    frozen = opts.pop("frozen_input", False)
+    if opts.pop("class_weight", False):
+        opts["weight"] = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV)
+    x, w, b, t = case(dtype, n=n, d=d, v=v, bias=bias, ignore_frac=0.25, scale=3.0)
+    x[3] *= 200  # a row of extreme logits (|z| ~ 1e2-1e3)
+    if frozen:
+        wo, bo = leaves(w, b)
+        ours = logitless.linear_cross_entropy(x, wo, t, linear_bias=bo, backend="triton", **opts)
+        wt, bt = leaves(w, b)
+        theirs = reference.naive_linear_cross_entropy(x, wt, t, linear_bias=bt, upcast=False, **opts)
+        w64, b64 = leaves(w.double(), b.double())
+        truth = reference.naive_linear_cross_entropy(x.double(), w64, t, linear_bias=b64, **opts)
+        assert_within_rule("loss", ours, theirs, truth)
+        for name, go, gt, g64 in zip(("d_weight", "d_bias"), grads(ours, [wo, bo]), grads(theirs, [wt, bt]),
+                                     grads(truth, [w64, b64]), strict=True):
+            assert_within_rule(name, go, gt, g64)
+    else:
+        lce_check(x, w, b, t, **opts)
+    assert len(stash_spy) == 1
+    stash, dw = stash_spy[0]
+    assert dw == stash  # the gradient is written into the forward's buffer, not a copy
+    lay = lh.stash_layout(x, w, not frozen, None)
+    assert lay is not None and lay.classes >= 64 and lay.classes % 64 == 0
+
+
+def test_stash_log_probs_entropy(stash_spy):
+    # Temperature and softcap (the stash holds the transformed logits), the entropy's gradient (its B term uses
+    # z - m from the stash), and linear_logsumexp.
+    x, w, b, t = case(torch.bfloat16, n=20, d=100, v=700, bias=True, ignore_frac=0.25, scale=3.0)
+    check_log_probs_entropy(x, w, b, t, backend="triton", softcap=5.0, temperature=0.7)
+    check_logsumexp(x, w, b, backend="triton")
+    assert len(stash_spy) == 2
+
+
+def test_stash_spent_once(stash_spy):
+    # A second backward through the same graph (retain_graph=True) cannot read the stash (the first one wrote dW
+    # over it): it recomputes, and both give the same gradients; so does a backward that builds a graph.
+    x, w, b, t = case(torch.bfloat16, n=20, d=100, v=700, ignore_frac=0.25, scale=3.0)
+    xo, wo = leaves(x, w)
+    loss = logitless.linear_cross_entropy(xo, wo, t, backend="triton")
+    first = torch.autograd.grad(loss, (xo, wo), retain_graph=True)
+    first = [g.clone() for g in first]
+    second = torch.autograd.grad(loss, (xo, wo))
+    assert len(stash_spy) == 1
+    for a, c in zip(first, second, strict=True):
+        assert rel_err(a, c.double()) < 4e-3
+    xo, wo = leaves(x, w)
+    loss = logitless.linear_cross_entropy(xo, wo, t, backend="triton")
+    graph = torch.autograd.grad(loss, (xo, wo), create_graph=True)
+    assert len(stash_spy) == 1
+    for a, c in zip(first, graph, strict=True):
+        assert rel_err(a, c.detach().double()) < 4e-3
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(graph[0].float().sum(), xo)
+
+
+def test_stash_becomes_the_gradient(stash_spy):
+    # .backward(): the weight's .grad is the forward's buffer itself (AccumulateGrad takes it over, no copy).
+    x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
+    xo, wo = leaves(x, w)
+    logitless.linear_cross_entropy(xo, wo, t, backend="triton").backward()
+    (stash, _), = stash_spy
+    assert wo.grad.data_ptr() == stash and xo.grad is not None
+
+
+def test_stash_conditions(monkeypatch):
+    x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    assert lh.stash_layout(x, w, True, None) is not None
+    assert lh.stash_layout(x.float(), w.float(), True, None) is None  # float32: dx accumulates in place
+    monkeypatch.setattr(lh, "STASH_LOGITS", False)
+    assert lh.stash_layout(x, w, True, None) is None
+    monkeypatch.setattr(lh, "STASH_LOGITS", True)
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", False)  # _dgrad_kernel reads dz row-major only
+    assert lh.stash_layout(x, w, True, None) is None
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    used = []
+    monkeypatch.setattr(lh, "forward_stats", functools.partial(
+        lambda f, *a, **kw: used.append(kw.get("stash") is not None) or f(*a, **kw), lh.forward_stats))
+    xo, wo = leaves(x, w)
+    with torch.no_grad():
+        logitless.linear_cross_entropy(xo, wo, t, backend="triton")  # no graph: no stash
+    logitless.linear_cross_entropy(x, w, t, backend="triton")  # no weight gradient: no buffer to keep it in
+    logitless.linear_cross_entropy(xo, wo, t, backend="triton", skip_threshold=2**-12)  # skipping plans alone
+    assert used == [False, False, False]
+
+
+# Planning only (meta tensors, GPU tiles): the issue shapes and smaller ones, N < D and N > D, with and without the
+# input's gradient and with an accumulator of its own. Replays the first pass's memory: a stashed chunk's logits and
+# maxima are intact until it reads them, every dz region and dW row range written stays off data still needed.
+@pytest.mark.parametrize("n,d,v,need_dx,budget", [
+    (8192, 2304, 256000, True, None), (16384, 4096, 128256, True, None), (8192, 5120, 131072, True, None),
+    (16384, 1024, 151936, True, None), (4096, 4096, 128256, True, None), (1024, 2048, 32000, True, None),
+    (4096, 2048, 32000, False, None), (16384, 4096, 128256, True, 4 * 16384 * 4096 + (256 << 20)),
+    (512, 4096, 32000, True, None)])
+def test_stash_layout_timeline(monkeypatch, n, d, v, need_dx, budget):
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
+    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    cfg = lh._GPU_CONFIG
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
+    lay = lh.stash_layout(x, w, need_dx, budget)
+    ws = lh._workspace(n, d, 2, budget)
+    plan = lh._plan(x, torch.empty(n, d, **meta) if need_dx else None, w, n, v, d, cfg, False, ws)
+    end = plan.dw_free if need_dx else v * d  # the dx accumulator's first element, where it lives in dW
+    assert lay is not None and lay.classes % cfg.block_v == 0 and lay.classes <= plan.dw_end
+    # the room is used: fewer than one chunk's worth of classes (plus its tile maxima) would still fit
+    per_class = max(n, d) + 2 * n / cfg.block_v
+    assert (end - lay.zo_at - 2 * n * lay.classes // cfg.block_v) < (lay.chunk + cfg.block_v) * per_class
+    zo = (lay.zo_at, lay.zo_at + 2 * n * lay.classes // cfg.block_v)
+    assert lay.at + n * lay.classes <= zo[0] and zo[1] <= end
+    chunks = lh._first_pass(n, v, d, cfg, plan, False, True, lay)
+    stashed = [c for c in chunks if c[3]]
+    assert [c[:2] for c in stashed] == [(v0, min(v0 + lay.chunk, lay.classes)) for v0 in
+                                        range(0, lay.classes, lay.chunk)]
+    assert chunks[:len(stashed)] == stashed  # they go first
+
+    def overlaps(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    written = []  # element ranges of dW written so far
+    for v0, v1, dz_at, is_stashed in chunks:
+        rows = (v0 * d, min(v1, plan.dw_end) * d) if v0 < plan.dw_end else None
+        if is_stashed:
+            dz = (lay.at + v0 * n, lay.at + v1 * n)  # read (logits) and written (dz) in place
+            later = (lay.at + v1 * n, lay.at + lay.classes * n)  # the logits of the chunks to come
+            for r in written + [rows]:
+                assert not overlaps(r, dz) and not overlaps(r, later) and not overlaps(r, zo)
+        elif dz_at is not None:
+            dz = (dz_at, dz_at + n * (v1 - v0))
+            assert dz[1] <= end and not any(overlaps(r, dz) for r in written + [rows] if r)
+        if rows:
+            written.append(rows)
+    if lay.classes >= 2 * lay.chunk:
+        assert lay.classes / v > {8192: 0.25, 16384: 0.04, 4096: 0.3, 1024: 0.75, 512: 0.75}[n]
 
 
 def test_fp32_reductions_restore_user_settings():
@@ -629,7 +799,7 @@ def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
                           vocab_order=order, workspace_bytes=budget[0] if budget else None)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
-    assert any(dz_at is not None for chunks in wide for *_, dz_at in chunks) == (isinstance(order, str)
+    assert any(dz_at is not None for chunks in wide for _, _, dz_at, _ in chunks) == (isinstance(order, str)
                                                                                  and order == "none")
     # The order was made for the backward's workspaces: each second-pass chunk (it writes back only its own rows)
     # holds its own classes.
@@ -846,7 +1016,8 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
     chunks = lh._first_pass(n, v, d, cfg, plan, aligned, True)
     written = []  # dW row ranges written so far (the first pass writes its chunks' rows below dw_end)
     seen = []
-    for v0, v1, dz_at in chunks:
+    for v0, v1, dz_at, stashed in chunks:
+        assert not stashed
         assert v0 < v1 and (v1 <= dw_end or v0 >= dw_end)
         if aligned:
             assert v0 % cfg.block_v == 0
@@ -861,7 +1032,7 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
     seen.sort()
     assert seen[0][0] == 0 and seen[-1][1] == v
     assert all(a[1] == b[0] for a, b in itertools.pairwise(seen))
-    assert any(dz_at is not None for *_, dz_at in chunks) == expect[aligned]
+    assert any(dz_at is not None for _, _, dz_at, _ in chunks) == expect[aligned]
 
 
 def test_workspace_chunks_capped_at_wide(monkeypatch):
@@ -877,7 +1048,7 @@ def test_workspace_chunks_capped_at_wide(monkeypatch):
             ws = lh._workspace(n, d, 2, budget)
             plan = lh._plan(x, torch.empty(n, d, **meta), torch.empty(v, d, **meta), n, v, d, cfg, False, ws)
             chunks = lh._first_pass(n, v, d, cfg, plan, False, True)
-            widths[name] = max(v1 - v0 for v0, v1, _ in chunks)
+            widths[name] = max(v1 - v0 for v0, v1, *_ in chunks)
             assert chunks[0][0] == plan.dw_end % v and chunks[-1][1] in (v, plan.dw_end)
         default_cols = lh._scratch_cols(n, 2, cfg.block_v)
         assert widths["ws"] <= max(cfg.wide, default_cols), (n, widths)

@@ -75,6 +75,9 @@ DEBUG_POISON = False
 # qwen3-small (notes/linear_head.md, v17).
 TORCH_PRODUCTS: bool | None = None
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
+# The forward keeps the logits of the first classes for the backward where the weight's gradient buffer has room for
+# them before it is written (stash_layout): their recomputation is skipped. Tests and A/B runs turn it off.
+STASH_LOGITS = True
 
 
 def _new(shape, **kw) -> torch.Tensor:
@@ -252,9 +255,9 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
 def _fwd_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
-    m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out,
+    m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out, zs_out, zo_out,
     # sizes
-    N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles,
+    N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd,
     # options
@@ -262,7 +265,7 @@ def _fwd_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
-    RECORD_TILES: tl.constexpr,
+    RECORD_TILES: tl.constexpr, STASH: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     EVEN_V: tl.constexpr,
@@ -316,6 +319,16 @@ def _fwd_kernel(
             # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
             tile_lse = tl.where(row_ok, m_new + tl.log(e_sum), float("-inf"))
             tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
+        if STASH:
+            if col0 < n_stash:
+                # Classes [0, n_stash) (whole tiles) keep their logits for the backward (stash_layout): z minus the
+                # running max, <= 0, in float16 (2^-11 relative), class-major, and the max itself per row and tile.
+                # Clamped above float16's -65504: such a class has p = 0 either way.
+                zs = zs_out + (col0 * N + row0)
+                offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_V)[None, :] * N
+                d = tl.maximum(z - m_new[:, None], -60000.0)
+                tl.store(zs + offs, d.to(tl.float16), mask=row_ok[:, None])
+                tl.store(zo_out + (col0 // BLOCK_V) * N + rows, m_new, mask=row_ok)
         if HAS_TARGET:
             # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
             if HAS_PERM:
@@ -395,17 +408,17 @@ def _combine_kernel(
 def _dz_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
-    dz_ptr, dbp_ptr,
+    dz_ptr, dbp_ptr, zs_ptr, zo_ptr,
     # sizes
     N, D, v_begin, v_end, n_vtiles,
     # strides
-    stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dbp,
+    stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp,
     # options
     softcap, inv_temp,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
-    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
+    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr, LOAD_Z: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -432,18 +445,34 @@ def _dz_kernel(
     cols = col0 + tl.arange(0, BLOCK_V)
     col_ok = cols < v_end
     cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
-    acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                       HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
-    z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     rows_in = tl.minimum(rows, N - 1)  # rows past N repeat the last one (finite values); never stored
     m = tl.load(m_ptr + rows_in)
+    ok = row_ok[:, None] & col_ok[None, :]
+    # (tile offsets: rows step by stride_dz, columns by stride_dzv; int32 inside a tile)
+    offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :] * stride_dzv
+    if LOAD_Z:
+        # The forward's stash (stash_layout): z minus the running max o at that tile, in float16, where dz goes
+        # (class-major), and o per row. Clamped entries (and those masked here) have p = 0.
+        d = tl.load(zs_ptr + (row0 * stride_dz + lcol0 * stride_dzv) + offs, mask=ok, other=-60000.0)
+        o = tl.load(zo_ptr + (lcol0 // BLOCK_V) * N + rows_in)
+        zm = d.to(tl.float32) + (o - m)[:, None]  # z - m
+        zc = zm
+        if HAS_SOFTCAP:
+            zc = zm + m[:, None]
+            if HAS_TEMP:
+                zc = zc / inv_temp
+    else:
+        acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, v_end, D, stride_xn, stride_xd, stride_wv,
+                           stride_wd, HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
+        z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+        zm = z - m[:, None]
     logs2 = tl.load(logs_ptr + rows_in) * LOG2E
     a = tl.load(a_ptr + rows_in)
     # p = exp((z - m) - log S) as 2^((z - m) log2 e - log2 S): z - m stays exact, one multiply-add per element.
-    p = tl.exp2((z - m[:, None]) * LOG2E - logs2[:, None])
+    p = tl.exp2(zm * LOG2E - logs2[:, None])
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
-        g = p * (a[:, None] + bc[:, None] * (z - m[:, None]))  # B multiplies z - m: no cancellation at |z|~1e4
+        g = p * (a[:, None] + bc[:, None] * zm)  # B multiplies z - m: no cancellation at |z|~1e4
         g = tl.where(p > 0, g, 0.0)  # p = 0 at z = -inf (a -inf bias): 0, not 0 * inf
     else:
         g = p * a[:, None]
@@ -470,12 +499,10 @@ def _dz_kernel(
     if HAS_SOFTCAP:
         u = zc / softcap
         g = g * (1.0 - u * u)
-    ok = row_ok[:, None] & col_ok[None, :]
     if STORE_DZ:
-        # int32 offsets inside the tile (BLOCK_N rows of at most 2^16 chunk columns); a whole tile is stored
-        # without a mask (the epilogue is on the critical path).
-        dz_tile = dz_ptr + (row0 * stride_dz + lcol0)
-        offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
+        # int32 offsets inside the tile (BLOCK_N rows of at most 2^16 chunk columns, or BLOCK_V columns of N rows);
+        # a whole tile is stored without a mask (the epilogue is on the critical path).
+        dz_tile = dz_ptr + (row0 * stride_dz + lcol0 * stride_dzv)
         out = _cast(g, dz_ptr.dtype.element_ty, UPCAST)
         if (row0 + BLOCK_N <= N) & (col0 + BLOCK_V <= v_end):
             tl.store(dz_tile + offs, out)
@@ -1021,9 +1048,10 @@ DEBUG_PLANS: list | None = None
 
 
 def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
-                  tile_lse=None):
+                  tile_lse=None, stash=None):
     """Per-row (m, logs, zt, sw, ent) float32 of the head (and tile_lse filled when given); see the module
-    docstring."""
+    docstring. stash: None, or (buffer, layout), a (V, D) tensor of W's dtype that will be the weight's gradient
+    and its stash_layout: the logits of the layout's classes are kept there for backward(stash=buffer)."""
     N, D = x.shape
     V = w.shape[0]
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -1048,16 +1076,23 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     wsum = _new(n_splits, **f32)
     tma = _use_tma(cfg, x, w, perm)
     xo, wo = _operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
+    zs = zo = dummy
+    n_stash = 0
+    if stash is not None:
+        buf, lay = stash
+        assert perm is None and buf.shape == (V, D) and buf.is_contiguous() and lay.classes % cfg.block_v == 0
+        zs, zo = _stash_views(buf, lay, N, cfg)
+        n_stash = lay.classes
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b if b is not None else dummy, target if has_target else dummy,
         class_w if class_w is not None else dummy, perm if perm is not None else dummy,
-        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy,
-        N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles,
+        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy, zs, zo,
+        N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
         HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
-        HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None,
+        HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None, STASH=stash is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **_dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
@@ -1127,6 +1162,64 @@ def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) 
             if e < best[0]:
                 best = (e, *c)
     return best[1:]
+
+
+class StashLayout(NamedTuple):
+    """Where the forward keeps logits for the backward, inside the weight's gradient buffer (bf16/fp16, V x D)
+    before the backward writes it. The logits of classes [0, classes) are stored class-major, (classes, N), as
+    float16 z - o (<= 0), o being the running row max of the forward when it folded the tile (so the rounding error
+    of a logit is at most 2^-11 (m - z), small exactly where p is not), and o as float32 per (tile, row). The
+    backward walks these classes first, in chunks of `chunk`, computes each chunk's dL/dz from the stash in place
+    (no recomputed product) and writes its dW rows below the chunk's own stash: `at` leaves room for that."""
+    classes: int  # a multiple of the forward's tile width
+    chunk: int
+    at: int  # element offset in the buffer of the (classes, N) float16 block
+    zo_at: int  # element offset (a multiple of 8) of the (classes / block_v, N) float32 maxima
+
+
+def stash_layout(x: torch.Tensor, w: torch.Tensor, need_dx: bool, workspace_bytes: int | None
+                 ) -> StashLayout | None:
+    """The layout of the logits the forward can keep for a backward that computes dW (and dx when need_dx) with
+    this workspace_bytes, or None (STASH_LOGITS off, float32, a backward whose products are not cuBLAS's (they
+    read dz column-major), tiles that differ between forward and dz kernel, or no room). The room is the part of
+    dW that the backward does not borrow for the float32 dx accumulator (_plan): (V - 2N) D elements of V D by
+    default, all of them with an accumulator of its own. Shapes only: forward and backward compute the same."""
+    N, D = x.shape
+    V = w.shape[0]
+    if not (STASH_LOGITS and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and N > 0 and D > 0
+            and _torch_products(x, w, False, False)):
+        return None
+    cfg = _config(x)
+    bv = cfg.block_v
+    if cfg.dz_block_v != bv or N * bv >= 1 << 31:
+        return None
+    ws = _workspace(N, D, 2, workspace_bytes)
+    end = V * D
+    if need_dx and V * D >= 2 * N * D + 8 and not ws.own_acc:
+        end = _acc_region(N, V, D, cfg, False)[0]  # the float32 dx accumulator's bytes start here
+    rows = end // D // bv * bv  # dW rows of the first pass
+    chunk = _round_chunk(cfg.wide, bv, True)
+    per_class = max(N, D) + cdiv(2 * N, bv)
+    classes = min(rows, max(0, end - chunk * min(N, D)) // per_class // bv * bv)
+    while classes >= bv:
+        c = min(chunk, classes)
+        # A chunk's dW rows [v0, v1) must lie below its own stash (it is read while they are written) and every
+        # later chunk's: at >= v1 D - v0 N for every chunk.
+        at = max(0, max(min(v0 + c, classes) * D - v0 * N for v0 in range(0, classes, c)))
+        at = cdiv(at, 8) * 8
+        zo_at = cdiv(at + classes * N, 8) * 8
+        if zo_at + 2 * N * (classes // bv) <= end:
+            return StashLayout(classes, c, at, zo_at)
+        classes -= bv
+    return None
+
+
+def _stash_views(buf: torch.Tensor, lay: StashLayout, N: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    # The float16 (classes, N) logits and the float32 (tiles, N) maxima inside the buffer.
+    flat = buf.view(-1)
+    zs = flat.view(torch.float16)[lay.at: lay.at + lay.classes * N].view(lay.classes, N)
+    zo = flat[lay.zo_at: lay.zo_at + 2 * N * (lay.classes // cfg.block_v)].view(torch.float32)
+    return zs, zo.view(lay.classes // cfg.block_v, N)
 
 
 class _Plan(NamedTuple):
@@ -1245,13 +1338,15 @@ def _plan(x, dx, dw, N, V, D, cfg, aligned, ws: _Workspace | None = None) -> _Pl
                  V * D if dw is not None else 0)
 
 
-def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool, wide_ok: bool) -> list:
-    """(v0, v1, dz_at) chunks of the first pass, in order; dz_at is the element offset in dW of the chunk's dz, or
-    None (the plan's dz_main or the scratch). Each gradient-products launch re-reads and re-writes the float32 dx
+def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool, wide_ok: bool,
+                stash: StashLayout | None = None) -> list:
+    """(v0, v1, dz_at, stashed) chunks of the first pass, in order; dz_at is the element offset in dW of the chunk's
+    dz, or None (the plan's dz_main or the scratch, or, when stashed, the forward's stash in place). The stashed
+    classes [0, stash.classes) go first. Each gradient-products launch re-reads and re-writes the float32 dx
     accumulator (8 N D bytes) and has few dW tiles when D is small, so wider chunks are cheaper: a chunk of up to
     cfg.wide classes puts its dz into dW rows that are not written yet and are not the accumulator's. The rows the
-    first pass leaves to the second ([dw_end, V), dx only) go first, their dz at the start of dW; then [0, dw_end)
-    in order, each chunk's dz in the rows after it while v1 D + N c <= dw_free."""
+    first pass leaves to the second ([dw_end, V), dx only) go next, their dz at the start of dW's unwritten rows;
+    then the rest of [0, dw_end) in order, each chunk's dz in the rows after it while v1 D + N c <= dw_free."""
     def chunk(v0, v_end, fits):
         c = _round_chunk(min(fits, cfg.wide), cfg.block_v, aligned) if wide_ok else 0
         if plan.chunk < c <= fits:
@@ -1259,30 +1354,41 @@ def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool,
         return min(v0 + plan.chunk, v_end), False
 
     chunks = []
-    for lo, hi in ((plan.dw_end, V), (0, plan.dw_end)):
+    s = 0
+    if stash is not None:
+        s = stash.classes
+        chunks = [(v0, min(v0 + stash.chunk, s), None, True) for v0 in range(0, s, stash.chunk)]
+    base = cdiv(s * D, 8) * 8  # dW's first unwritten element once the stashed chunks are done
+    for lo, hi, left in ((plan.dw_end, V, True), (s, plan.dw_end, False)):
         v0 = lo
         while v0 < hi:
-            if lo:  # the rows left to the second pass: dz in dW rows [0, N c / D)
-                v1, wide = chunk(v0, hi, min(plan.dw_free, plan.dw_end * D) // N)
-                chunks.append((v0, v1, 0 if wide else None))
+            if left:  # the rows left to the second pass: dz in dW from base
+                v1, wide = chunk(v0, hi, max(0, min(plan.dw_free, plan.dw_end * D) - base) // N)
+                chunks.append((v0, v1, base if wide else None, False))
             else:
                 v1, wide = chunk(v0, hi, (plan.dw_free - v0 * D) // (N + D))
-                chunks.append((v0, v1, v1 * D if wide else None))
+                chunks.append((v0, v1, v1 * D if wide else None, False))
             v0 = v1
     return chunks
 
 
 def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None):
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None):
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring.
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
     only with skip_threshold > 0 and without a B or E term (their error is not bounded by the probability mass
-    alone). workspace_bytes: what the workspaces may take beyond O(N) (_workspace; None: SCRATCH_BYTES)."""
+    alone). workspace_bytes: what the workspaces may take beyond O(N) (_workspace; None: SCRATCH_BYTES).
+    stash: the buffer the forward kept logits in (forward_stats(stash=...), its layout from stash_layout with this
+    need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up."""
     N, D = x.shape
     V = w.shape[0]
     need_db = bool(need_db and b is not None)
+    lay = None
+    if stash is not None:
+        lay = stash_layout(x, w, need_dx, workspace_bytes)
+        assert need_dw and lay is not None and stash.shape == (V, D) and stash.dtype == w.dtype
     dx = _new((N, D), device=x.device, dtype=x.dtype) if need_dx else None
-    dw = _new((V, D), device=x.device, dtype=w.dtype) if need_dw else None
+    dw = stash if stash is not None else _new((V, D), device=x.device, dtype=w.dtype) if need_dw else None
     db = _new(V, device=x.device, dtype=torch.float32) if need_db else None  # in vocabulary positions until the end
     if N == 0 or D == 0:
         for g in (dx, dw, db):
@@ -1321,22 +1427,28 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             scratch[:] = [_new(cdiv(max(ws.scratch, nbytes), 4), **f32)]
         return scratch[0].view(dtype)[:n].view(shape)
 
-    def dz_pass(v0, v1, dz, with_db):
+    def dz_pass(v0, v1, dz, with_db, stashed=False):
+        # stashed: dz (N, v1 - v0), column-major, is where the forward kept these logits (zs, zo: _stash_views)
         assert not skip or v0 % cfg.block_v == 0
         store = dz is not None
         dbp = _new((n_blocks, v1 - v0), **f32) if with_db else None
+        zs = zo = dummy
+        if stashed:
+            zs = stash_zs[v0: v1]
+            zo = stash_zo[v0 // cfg.block_v:]
         _dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.dz_block_v),)](
             dz_x, dz_w, b if b is not None else dummy, target if target is not None else dummy,
             class_w if class_w is not None else dummy, perm if has_perm else dummy, m, logs, A,
             B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
-            sp.hot if skip else dummy, dz if store else dummy, dbp if with_db else dummy,
+            sp.hot if skip else dummy, dz if store else dummy, dbp if with_db else dummy, zs, zo,
             N, D, v0, v1, n_vtiles,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
-            dbp.stride(0) if with_db else 0,
+            dz.stride(1) if store else 1, dbp.stride(0) if with_db else 0,
             float(softcap or 1.0), float(inv_temp),
             HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0,
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
             HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db, HAS_PERM=has_perm, SKIP=skip,
+            LOAD_Z=stashed,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
             EVEN_K=D % cfg.block_k == 0, **dot,
             USE_TMA=dz_tma,
@@ -1418,11 +1530,20 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
                                                         SCATTER=has_perm, BLOCK=1024, UPCAST=dot["UPCAST"])
 
     need_dz = need_dx or need_dw
+    if lay is not None:
+        stash_zs, stash_zo = _stash_views(dw, lay, N, cfg)
+        stash_dz = dw.view(-1)[lay.at: lay.at + lay.classes * N].view(lay.classes, N)
     # First pass: every class once; dW rows below plan.dw_end, dx accumulated over all chunks.
     first = True
     # (A vocabulary order gets no wide chunks: its dW rows are scattered over the first pass's range.)
-    for v0, v1, dz_at in _first_pass(N, V, D, cfg, plan, aligned, need_dz and not has_perm):
+    for v0, v1, dz_at, stashed in _first_pass(N, V, D, cfg, plan, aligned, need_dz and not has_perm, lay):
         dz = None
+        if stashed:  # dz replaces the chunk's stashed logits: (N, v1 - v0), column-major
+            dz = stash_dz[v0: v1].t()
+            dz_pass(v0, v1, dz, need_db, stashed=True)
+            grad_pass(v0, v1, dz, True, plan.dx_acc, not first, True)
+            first = False
+            continue
         if dz_at is not None:
             dz = dw.view(-1)[dz_at: dz_at + N * (v1 - v0)].view(N, v1 - v0)
         elif need_dz:
