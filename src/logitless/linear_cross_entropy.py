@@ -51,9 +51,9 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = lh._new(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
+    extra = {} if stash is None else {"stash": (stash, layout)}
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
-                             want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles,
-                             stash=None if stash is None else (stash, layout))
+                             want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
     if tiles is None or x.shape[0] == 0:
         tiles = x.new_empty(0, dtype=torch.float32)
     return (*stats, tiles, stash if stash is not None else weight.new_empty(0))
@@ -79,10 +79,11 @@ _GRAD_SCHEMA = f"({_GRAD_ARGS}) -> (Tensor, Tensor, Tensor)"
 def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
               need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash=None):
     bias = None if bias is None else bias.contiguous()  # as in _stats_op
+    extra = {} if stash is None else {"stash": stash}
     return _kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
                                tile_lse=tile_lse, skip_threshold=skip_threshold, workspace_bytes=workspace_bytes,
-                               stash=stash)
+                               **extra)
 
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)

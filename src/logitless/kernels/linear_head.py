@@ -252,6 +252,63 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
 
 
 @triton.jit
+def _fwd_step(
+    x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
+    N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
+    pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
+    RECORD_TILES: tl.constexpr, STASH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_V: tl.constexpr,
+):
+    """One vocabulary tile of _fwd_kernel: the tile at col0 folded into the rows' running statistics; returns them
+    and the next tile's col0. STASH: the tile's logits are also kept for the backward."""
+    cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
+    col_ok = cols < V
+    cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
+    acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
+                       HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
+    z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+    # Classes past V (only in the last tile unless EVEN_V) hold finite values and must not count: the masked
+    # fold runs on that tile alone, since the epilogue is on the critical path. (With EVEN_V, a constant, the
+    # `or` is decided at compile time: no run-time test.)
+    if EVEN_V or col0 + BLOCK_V <= V:
+        m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
+                                                    HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+    else:
+        m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
+                                                    HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+    if RECORD_TILES:
+        # The tile's log-sum-exp per row (exact: m_new + log of its own sum), maxed over the block's rows. A
+        # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
+        tile_lse = tl.where(row_ok, m_new + tl.log(e_sum), float("-inf"))
+        tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
+    if STASH:
+        # Classes [0, n_stash) (whole tiles) keep their logits for the backward (stash_layout): z minus the
+        # running max, <= 0, in float16 (2^-11 relative), class-major, and the max itself per row and tile.
+        # Clamped above float16's -65504: such a class has p = 0 either way.
+        zs = zs_out + (col0 * N + row0)
+        offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_V)[None, :] * N
+        d = tl.maximum(z - m_new[:, None], -60000.0)
+        tl.store(zs + offs, d.to(tl.float16), mask=row_ok[:, None])
+        tl.store(zo_out + (col0 // BLOCK_V) * N + rows, m_new, mask=row_ok)
+    if HAS_TARGET:
+        # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
+        if HAS_PERM:
+            zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+        else:
+            inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, V))
+            # Most tiles hold none of the block's targets: the per-element select runs only where one does.
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
+                rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
+                zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
+    return m_new, s, zt, sw, ent, wsum, col0 + BLOCK_V
+
+
+@triton.jit
 def _fwd_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
@@ -298,50 +355,32 @@ def _fwd_kernel(
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
     wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
-    for _ in range(j0, j1):
-        cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
-        col_ok = cols < V
-        cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
-        acc = _logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
-                           HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
-        z, zc = _transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
-        # Classes past V (only in the last tile unless EVEN_V) hold finite values and must not count: the masked
-        # fold runs on that tile alone, since the epilogue is on the critical path. (With EVEN_V, a constant, the
-        # `or` is decided at compile time: no run-time test.)
-        if EVEN_V or col0 + BLOCK_V <= V:
-            m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
-                                                        HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
-        else:
-            m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
-                                                        HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
-        if RECORD_TILES:
-            # The tile's log-sum-exp per row (exact: m_new + log of its own sum), maxed over the block's rows. A
-            # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
-            tile_lse = tl.where(row_ok, m_new + tl.log(e_sum), float("-inf"))
-            tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
-        if STASH:
-            if col0 < n_stash:
-                # Classes [0, n_stash) (whole tiles) keep their logits for the backward (stash_layout): z minus the
-                # running max, <= 0, in float16 (2^-11 relative), class-major, and the max itself per row and tile.
-                # Clamped above float16's -65504: such a class has p = 0 either way.
-                zs = zs_out + (col0 * N + row0)
-                offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_V)[None, :] * N
-                d = tl.maximum(z - m_new[:, None], -60000.0)
-                tl.store(zs + offs, d.to(tl.float16), mask=row_ok[:, None])
-                tl.store(zo_out + (col0 // BLOCK_V) * N + rows, m_new, mask=row_ok)
-        if HAS_TARGET:
-            # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
-            if HAS_PERM:
-                zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
-            else:
-                inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, V))
-                # Most tiles hold none of the block's targets: the per-element select runs only where one does.
-                if tl.max(inside.to(tl.int32), axis=0) > 0:
-                    # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
-                    rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
-                    zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
-        m = m_new
-        col0 += BLOCK_V
+    if STASH:
+        # The stashed tiles in a loop of their own: the store's registers would otherwise spill in every tile's
+        # loop (84 spills at the GPU tiles, Triton 3.6).
+        j_mid = tl.minimum(tl.maximum(n_stash // BLOCK_V, j0), j1)
+        for _ in range(j0, j_mid):
+            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
+                x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
+                N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
+                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
+                RECORD_TILES, True, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+        for _ in range(j_mid, j1):
+            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
+                x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
+                N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
+                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
+                RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+    else:
+        for _ in range(j0, j1):
+            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
+                x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
+                N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
+                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
+                RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)
