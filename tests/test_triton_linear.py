@@ -41,6 +41,9 @@ def case(*args, **kw):
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(lh, "DEBUG_POISON", True)
+    # The forward's stash wherever it fits (its threshold of saved work is for GPU-sized heads; where the products
+    # are torch's, test_stash_conditions checks the threshold itself).
+    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
 
 
 def lce_check(x, w, b, t, **kw):
@@ -412,6 +415,11 @@ def test_stash_conditions(monkeypatch):
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", False)  # _dgrad_kernel reads dz row-major only
     assert lh.stash_layout(x, w, True, None) is None
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576)  # the recomputation it saves here, 576 classes
+    assert lh.stash_layout(x, w, True, None).classes == 576
+    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576 + 1)
+    assert lh.stash_layout(x, w, True, None) is None
+    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
     used = []
     monkeypatch.setattr(lh, "forward_stats", functools.partial(
         lambda f, *a, **kw: used.append(kw.get("stash") is not None) or f(*a, **kw), lh.forward_stats))

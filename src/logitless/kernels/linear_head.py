@@ -78,6 +78,10 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops
 # The forward keeps the logits of the first classes for the backward where the weight's gradient buffer has room for
 # them before it is written (stash_layout): their recomputation is skipped. Tests and A/B runs turn it off.
 STASH_LOGITS = True
+# ... when it saves at least this many FLOP of recomputation (2 N D per stashed class): below, the stash's fixed
+# costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.4% faster at qwen3-small's 2.2e11,
+# 6.6% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-18% faster from 2.4e12 up (notes/linear_head.md, v19).
+STASH_MIN_FLOP = 5e11
 
 
 def _new(shape, **kw) -> torch.Tensor:
@@ -1220,7 +1224,8 @@ def stash_layout(x: torch.Tensor, w: torch.Tensor, need_dx: bool, workspace_byte
                  ) -> StashLayout | None:
     """The layout of the logits the forward can keep for a backward that computes dW (and dx when need_dx) with
     this workspace_bytes, or None (STASH_LOGITS off, float32, a backward whose products are not cuBLAS's (they
-    read dz column-major), tiles that differ between forward and dz kernel, or no room). The room is the part of
+    read dz column-major), tiles that differ between forward and dz kernel, too little room, or less than
+    STASH_MIN_FLOP of recomputation saved). The room is the part of
     dW that the backward does not borrow for the float32 dx accumulator (_plan): (V - 2N) D elements of V D by
     default, all of them with an accumulator of its own. Shapes only: forward and backward compute the same."""
     N, D = x.shape
@@ -1248,7 +1253,7 @@ def stash_layout(x: torch.Tensor, w: torch.Tensor, need_dx: bool, workspace_byte
         at = cdiv(at, 8) * 8
         zo_at = cdiv(at + classes * N, 8) * 8
         if zo_at + 2 * N * (classes // bv) <= end:
-            return StashLayout(classes, c, at, zo_at)
+            return StashLayout(classes, c, at, zo_at) if 2 * N * D * classes >= STASH_MIN_FLOP else None
         classes -= bv
     return None
 
