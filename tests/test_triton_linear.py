@@ -404,6 +404,30 @@ def test_stash_becomes_the_gradient(stash_spy):
     assert wo.grad.data_ptr() == stash and xo.grad is not None
 
 
+def test_stash_memory(stash_spy, monkeypatch):
+    # Forward + backward with the stash holds one V x D buffer, the weight's gradient itself: nothing else of that
+    # size (a zero "upstream gradient" of the stash output once was), beyond the small scratch.
+    from logitless.bench.measure import _cpu_peak
+
+    if DEV != "cpu":
+        pytest.skip("CPU allocation events")
+    monkeypatch.setattr(lh, "SCRATCH_BYTES", 20 * 64 * 2)
+    x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
+    xo, wo = leaves(x, w)
+
+    def extra():
+        xo.grad = wo.grad = None
+        peak, _ = _cpu_peak(lambda: logitless.linear_cross_entropy(xo, wo, t, backend="triton").backward())
+        return peak - xo.grad.nbytes - wo.grad.nbytes
+
+    with_stash = extra()
+    assert len(stash_spy) == 1
+    monkeypatch.setattr(lh, "STASH_LOGITS", False)
+    plain = extra()  # (the CPU stand-in of the products makes float32 copies of its operands)
+    assert len(stash_spy) == 1
+    assert with_stash < plain + wo.numel() * 2 // 4, (with_stash, plain)
+
+
 def test_stash_conditions(monkeypatch):
     x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)

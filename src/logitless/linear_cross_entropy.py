@@ -137,6 +137,8 @@ def _stats_setup_context(ctx, inputs, output):
     # without a copy. Non-differentiable, so it holds no reference back to this node.
     ctx.mark_non_differentiable(stash)
     ctx.stash = stash if stash.numel() else None
+    # Outputs without an upstream gradient get None, not zeros: a zero "gradient" of the stash would be V x D.
+    ctx.set_materialize_grads(False)
 
 
 def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash):
