@@ -79,8 +79,8 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops
 # them before it is written (stash_layout): their recomputation is skipped. Tests and A/B runs turn it off.
 STASH_LOGITS = True
 # ... when it saves at least this many FLOP of recomputation (2 N D per stashed class): below, the stash's fixed
-# costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.4% faster at qwen3-small's 2.2e11,
-# 6.6% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-18% faster from 2.4e12 up (notes/linear_head.md, v19).
+# costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.3% faster at qwen3-small's 2.2e11,
+# 6.5% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-16% faster from 2.4e12 up (notes/linear_head.md, v19).
 STASH_MIN_FLOP = 5e11
 
 
@@ -359,6 +359,7 @@ def _fwd_kernel(
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
     wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
+    j_mid = j0  # tiles [j0, j_mid) are stashed
     if STASH:
         # The stashed tiles in a loop of their own: the store's registers would otherwise spill in every tile's
         # loop (84 spills at the GPU tiles, Triton 3.6).
@@ -370,21 +371,13 @@ def _fwd_kernel(
                 pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
                 RECORD_TILES, True, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
-        for _ in range(j_mid, j1):
-            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
-                x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
-                N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
-                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
-                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-                RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
-    else:
-        for _ in range(j0, j1):
-            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
-                x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
-                N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
-                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
-                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-                RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+    for _ in range(j_mid, j1):
+        m, s, zt, sw, ent, wsum, col0 = _fwd_step(
+            x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
+            N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
+            pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
+            RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)
