@@ -364,6 +364,33 @@ def test_stash(stash_spy, dtype, n, d, v, bias, opts):
     assert lay is not None and lay.classes >= 64 and lay.classes % 64 == 0
 
 
+@pytest.mark.parametrize("n", [48, 37])
+def test_stash_descriptor_store(stash_spy, monkeypatch, n):
+    # The forward writes the stash through a tensor descriptor where its operands use descriptors and the stash's
+    # rows are 16-byte aligned (N % 8 == 0: 48, with a partial token block); else with pointer stores (37).
+    if lh.TensorDescriptor is None:
+        pytest.skip("no tensor descriptors in this Triton")
+    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=True))
+    made = []
+    real = lh.TensorDescriptor
+
+    class Spy(real):
+        @classmethod
+        def from_tensor(cls, t, block_shape):
+            made.append((t.dtype, tuple(t.shape), tuple(block_shape)))
+            return real.from_tensor(t, block_shape)
+
+    monkeypatch.setattr(lh, "TensorDescriptor", Spy)
+    x, w, b, t = case(torch.bfloat16, n=n, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
+    x[3] *= 200  # extreme logits: clamped entries of the stash
+    lce_check(x, w, b, t, label_smoothing=0.1, softcap=5.0)
+    assert len(stash_spy) == 1
+    lay = lh.stash_layout(x, w, True, None)
+    cfg = lh._config(x)
+    stash_desc = [m for m in made if m[0] == torch.float16]
+    assert stash_desc == ([(torch.float16, (lay.classes, n), (cfg.block_v, cfg.block_n))] if n % 8 == 0 else [])
+
+
 def test_stash_log_probs_entropy(stash_spy):
     # Temperature and softcap (the stash holds the transformed logits), the entropy's gradient (its B term uses
     # z - m from the stash), and linear_logsumexp.

@@ -82,6 +82,9 @@ STASH_LOGITS = True
 # costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.3% faster at qwen3-small's 2.2e11,
 # 6.5% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-16% faster from 2.4e12 up (notes/linear_head.md, v19).
 STASH_MIN_FLOP = 5e11
+# The forward writes the stash through a tensor descriptor (the copy engine) where its operands use them and the
+# stash's rows are 16-byte aligned (N % 8 == 0); else with pointer stores. A/B runs turn it off.
+STASH_TMA = True
 
 
 def _new(shape, **kw) -> torch.Tensor:
@@ -262,13 +265,14 @@ def _fwd_step(
     pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
-    RECORD_TILES: tl.constexpr, STASH: tl.constexpr,
+    RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     EVEN_V: tl.constexpr,
 ):
     """One vocabulary tile of _fwd_kernel: the tile at col0 folded into the rows' running statistics; returns them
-    and the next tile's col0. STASH: the tile's logits are also kept for the backward."""
+    and the next tile's col0. STASH: the tile's logits are also kept for the backward (STASH_TMA: zs_out is a
+    tensor descriptor of [BLOCK_V, BLOCK_N] blocks of the (classes, N) stash)."""
     cols = col0 + tl.arange(0, BLOCK_V)  # vocabulary positions
     col_ok = cols < V
     cls = _classes(perm_ptr, cols, col_ok, HAS_PERM)
@@ -293,10 +297,16 @@ def _fwd_step(
         # Classes [0, n_stash) (whole tiles) keep their logits for the backward (stash_layout): z minus the
         # running max, <= 0, in float16 (2^-11 relative), class-major, and the max itself per row and tile.
         # Clamped above float16's -65504: such a class has p = 0 either way.
-        zs = zs_out + (col0 * N + row0)
-        offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_V)[None, :] * N
-        d = tl.maximum(z - m_new[:, None], -60000.0)
-        tl.store(zs + offs, d.to(tl.float16), mask=row_ok[:, None])
+        d = tl.maximum(z - m_new[:, None], -60000.0).to(tl.float16)
+        if STASH_TMA:
+            # The copy engine writes the transposed tile from shared memory (rows past N fall outside the
+            # descriptor's bounds and are not written): no pointer tensor of the tile in registers, whose scattered
+            # stores made this loop spill and take ~25% longer per tile than the unstashed one (H200).
+            zs_out.store([col0.to(tl.int32), row0.to(tl.int32)], tl.trans(d))
+        else:
+            zs = zs_out + (col0 * N + row0)
+            offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_V)[None, :] * N
+            tl.store(zs + offs, d, mask=row_ok[:, None])
         tl.store(zo_out + (col0 // BLOCK_V) * N + rows, m_new, mask=row_ok)
     if HAS_TARGET:
         # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
@@ -326,7 +336,7 @@ def _fwd_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
-    RECORD_TILES: tl.constexpr, STASH: tl.constexpr,
+    RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     EVEN_V: tl.constexpr,
@@ -370,14 +380,15 @@ def _fwd_kernel(
                 N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
                 pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-                RECORD_TILES, True, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+                RECORD_TILES, True, STASH_TMA, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA,
+                EVEN_V)
     for _ in range(j_mid, j1):
         m, s, zt, sw, ent, wsum, col0 = _fwd_step(
             x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
             N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
             pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
             HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-            RECORD_TILES, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+            RECORD_TILES, False, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)
@@ -1114,11 +1125,15 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     xo, wo = _operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
     zs = zo = dummy
     n_stash = 0
+    stash_tma = False
     if stash is not None:
         buf, lay = stash
         assert perm is None and buf.shape == (V, D) and buf.is_contiguous() and lay.classes % cfg.block_v == 0
         zs, zo = _stash_views(buf, lay, N, cfg)
         n_stash = lay.classes
+        stash_tma = STASH_TMA and tma and _tma_ok(zs)
+        if stash_tma:
+            zs = TensorDescriptor.from_tensor(zs, [cfg.block_v, cfg.block_n])
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b if b is not None else dummy, target if has_target else dummy,
         class_w if class_w is not None else dummy, perm if perm is not None else dummy,
@@ -1129,7 +1144,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None, STASH=stash is not None,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+        STASH_TMA=stash_tma, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **_dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
