@@ -12,11 +12,13 @@ file, named on after them (linear_head only). Without --old (linear_head), A is 
 --set versions are B, C, ...
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
 different clocks (notes/linear_head.md, v6); here each round times A, B, ... in order or in reverse (the order
-alternates), at one shape on the same tensors. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad
-log-probs, the forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight;
---cases picks). Each entry is the median over rounds of a median of --reps calls. Before timing, each version's
-loss, log-probs and gradients are compared with A's (largest difference relative to A's largest entry; the two may
-sum in different orders).
+alternates), at one shape on the same tensors. Even so, two-version runs have read 2-3% against the second version
+for changes that were null kernel by kernel (v20): for differences that small, add a null version (a --set of a
+constant to its own value) and compare against its spread. Per shape (uniform data, bf16): one cuBLAS product x @
+W.T, no-grad log-probs, the forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input
+and weight; --cases picks). Each entry is the median over rounds of a median of --reps calls. Before timing, each
+version's loss, log-probs and gradients are compared with A's (largest difference relative to A's largest entry; the
+two may sum in different orders).
 
 --kernels cross_entropy: bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000; the launchers are called
 directly: the forward alone (statistics and loss) and the in-place path (forward, then the gradient written over
