@@ -370,26 +370,22 @@ def _fwd_kernel(
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
     wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
-    j_mid = j0  # tiles [j0, j_mid) are stashed
+    # With STASH, tiles [j0, j_mid) are stashed, in a loop of their own (phase 0; unrolled at compile time): the
+    # store's registers would otherwise spill in every tile's loop (84 spills at the GPU tiles, Triton 3.6).
+    j_mid = j0
     if STASH:
-        # The stashed tiles in a loop of their own: the store's registers would otherwise spill in every tile's
-        # loop (84 spills at the GPU tiles, Triton 3.6).
         j_mid = tl.minimum(tl.maximum(n_stash // BLOCK_V, j0), j1)
-        for _ in range(j0, j_mid):
+    for phase in tl.static_range(0 if STASH else 1, 2):
+        lo = j0 if phase == 0 else j_mid
+        hi = j_mid if phase == 0 else j1
+        for _ in range(lo, hi):
             m, s, zt, sw, ent, wsum, col0 = _fwd_step(
                 x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
                 N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
                 pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-                RECORD_TILES, True, STASH_TMA, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA,
-                EVEN_V)
-    for _ in range(j_mid, j1):
-        m, s, zt, sw, ent, wsum, col0 = _fwd_step(
-            x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
-            N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
-            pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
-            RECORD_TILES, False, False, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+                RECORD_TILES, phase == 0, STASH_TMA and phase == 0, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
+                DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)
