@@ -279,3 +279,25 @@ def test_exclude_that_leaves_a_job_no_provider_exits_2(argv, emptied, capsys):
         _resolve(["--device", "cpu", *argv])
     assert e.value.code == 2
     assert f"--exclude leaves no provider for job(s) {emptied}\n" in capsys.readouterr().err
+
+
+def test_providers_alone_pick_the_jobs_they_run():
+    cases, chosen, _ = _resolve(["--device", "cpu", "--providers", "liger", "--shape", "64,32,100"])
+    assert [p.name for p in chosen] == ["liger"]
+    assert sorted({c.job for c in cases}) == sorted(providers.by_name()["liger"].jobs)
+
+
+@pytest.mark.parametrize("argv, unserved", [
+    (["--job", "logprobs", "--providers", "liger"], ["logprobs"]),  # liger has no log-probs
+    (["--job", "train,ce", "--providers", "torch-lce"], ["ce"]),
+])
+def test_providers_that_run_no_case_of_a_job_exit_2(argv, unserved, capsys):
+    # Before, the run went ahead and printed an empty table for the job.
+    with pytest.raises(SystemExit) as e:
+        _resolve(["--device", "cpu", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--providers names no provider for job(s) " in err
+    for job in unserved:
+        runners = [p.name for p in providers.REGISTRY if job in p.jobs]
+        assert f"{job} (run by {', '.join(runners)})" in err

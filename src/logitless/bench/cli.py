@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"data kind(s): {', '.join(data.KINDS)} (default: both on a GPU, lm on a CPU)")
     ap.add_argument("--providers", action="append", metavar="NAMES",
                     help="only these providers, comma-separated (default: all available; on a CPU those that run "
-                         "quickly there)")
+                         "quickly there); without --job, the jobs they run")
     ap.add_argument("--exclude", action="append", metavar="NAMES", help="skip these providers, comma-separated")
     ap.add_argument("--device", default=None,
                     help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
@@ -137,6 +137,9 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     for j in jobs:
         if j not in C.JOBS:
             parser.error(f"unknown job {j!r}; expected one of {', '.join(C.JOBS)}")
+    named = [providers.by_name().get(n) for n in _split(args.providers)]
+    if not args.job and named and None not in named:  # --providers alone: the jobs those providers run
+        jobs = [j for j in jobs if any(j in p.jobs for p in named)]
     dtypes = _split(args.dtype) or (["bf16"] if gpu else ["fp32"])
     for d in dtypes:
         if d not in C.DTYPES:
@@ -177,10 +180,15 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
         if n not in known:
             parser.error(f"unknown provider {n!r} in --exclude; expected some of {', '.join(known)}")
     left = [p for p in chosen if p.name not in excluded]
-    # Jobs that had a provider and have none after --exclude would print empty tables: refuse them up front.
+    # A job that no chosen provider runs would print an empty table: refuse it up front, naming the flag.
     emptied = [j for j in jobs if any(j in p.jobs for p in chosen) and not any(j in p.jobs for p in left)]
     if emptied:
         parser.error(f"--exclude leaves no provider for job(s) {', '.join(emptied)}")
+    unserved = [j for j in jobs if not any(j in p.jobs for p in chosen)]
+    if unserved:
+        able = {j: ", ".join(p.name for p in providers.REGISTRY if j in p.jobs) for j in unserved}
+        parser.error("--providers names no provider for job(s) "
+                     + "; ".join(f"{j} (run by {able[j]})" for j in unserved))
     chosen = left
     if args.check_rows is not None and args.check_rows < 1:
         parser.error("--check-rows must be at least 1")
