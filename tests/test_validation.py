@@ -169,12 +169,23 @@ def test_empty_feature_dimension(backend):
 
 
 @pytest.mark.parametrize("backend", ("torch", "triton"))
-def test_gradients_are_not_differentiable(backend):
-    # No double backward: differentiating a gradient raises instead of giving a wrong second derivative.
+@pytest.mark.parametrize("inplace", (False, True))
+def test_gradients_are_not_differentiable(backend, inplace):
+    # No double backward: differentiating a gradient raises logitless's message (on the torch path too, where
+    # once_differentiable used to leave the gradient detached and torch said "does not require grad"), and the
+    # first-order gradient that create_graph=True returns is the plain one.
     x, w, t = base()
     x.requires_grad_(True)
-    for loss in (logitless.linear_cross_entropy(x, w, t, backend=backend),
-                 logitless.cross_entropy(x @ w.T, t, backend=backend)):
-        (g,) = torch.autograd.grad(loss, x, create_graph=True)
-        with pytest.raises(RuntimeError, match="not differentiable|does not require grad"):
+    w.requires_grad_(True)
+    ops = [lambda: logitless.cross_entropy(x @ w.T, t, inplace_backward=inplace, backend=backend)]
+    if not inplace:
+        ops += [lambda: logitless.linear_cross_entropy(x, w, t, backend=backend),
+                lambda: logitless.linear_log_probs(x, w, t, return_entropy=True, backend=backend)[1].sum(),
+                lambda: logitless.linear_logsumexp(x, w, backend=backend).sum()]
+    for op in ops:
+        (plain,) = torch.autograd.grad(op(), x)
+        (g,) = torch.autograd.grad(op(), x, create_graph=True)
+        assert g.requires_grad
+        assert torch.equal(g.detach(), plain)
+        with pytest.raises(RuntimeError, match="not differentiable"):
             g.sum().backward()

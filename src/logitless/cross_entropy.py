@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Literal, NamedTuple, overload
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _validate, reference
 from ._dispatch import resolve_backend
@@ -129,7 +128,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    @once_differentiable
+    @reference.first_order_only
     def backward(ctx, grad_loss, _grad_lse):
         if not ctx.needs_input_grad[0]:
             return (None,) * 9

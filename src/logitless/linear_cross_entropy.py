@@ -171,8 +171,7 @@ def _no_setup(ctx, inputs, output):
 
 
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError("logitless: the gradients of linear_cross_entropy, linear_log_probs and linear_logsumexp are "
-                       "not differentiable (no double backward / create_graph=True through them)")
+    raise RuntimeError(reference.NOT_DIFFERENTIABLE)
 
 
 # Without this, differentiating the gradients fails with "no autograd formula was registered".

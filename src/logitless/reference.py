@@ -19,17 +19,60 @@ difference z_j - mu of the entropy gradient would otherwise cancel catastrophica
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _validate
 
 # Elements of one (token chunk x vocab chunk) float32 block; a handful of such blocks are alive at once.
 _CHUNK_ELEMS = 1 << 20
 _VOCAB_CHUNK = 4096
+
+
+NOT_DIFFERENTIABLE = ("logitless: the gradients of its ops (linear_cross_entropy, linear_log_probs, linear_logsumexp, "
+                      "cross_entropy) are not differentiable (no double backward / create_graph=True through them)")
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Identity on a backward's results; differentiating through it raises NOT_DIFFERENTIABLE. `anchor` (a tensor
+    that requires grad) only puts the results in the graph, so that the error comes when they are differentiated."""
+
+    @staticmethod
+    def forward(ctx, anchor, *outs):
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(NOT_DIFFERENTIABLE)
+
+
+def first_order_only(backward):
+    """For an autograd.Function's backward, in place of torch's once_differentiable: the backward runs without a
+    graph, and with create_graph=True its results come out attached to a node that raises NOT_DIFFERENTIABLE when
+    they are differentiated (once_differentiable leaves them detached there, and the user gets torch's generic
+    "does not require grad" error instead)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        graph = torch.is_grad_enabled()
+        # Before the backward: an in-place one bumps its saved buffer's version, after which it cannot be unpacked.
+        anchors = [t for t in (*ctx.saved_tensors, *grads)
+                   if isinstance(t, torch.Tensor) and t.requires_grad] if graph else []
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
+        if not anchors or not idx:
+            return outs
+        attached = _NotDifferentiable.apply(anchors[0], *(outs[i] for i in idx))
+        outs = list(outs)
+        for i, o in zip(idx, attached, strict=True):
+            outs[i] = o
+        return tuple(outs)
+
+    return wrapper
 
 
 def _chunks(n: int, size: int):
@@ -291,7 +334,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_loss, _grad_lse):
         x, w, b, target, class_w, m, logs = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
@@ -325,7 +368,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return logp, ent, lse
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_logp, grad_ent, _grad_lse):
         x, w, b, target, m, logs, ent = ctx.saved_tensors
         ignore_index, softcap, inv_temp = ctx.opts
@@ -362,7 +405,7 @@ class _LinearLogSumExp(torch.autograd.Function):
         return m + logs
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_lse):
         x, w, b, m, logs = ctx.saved_tensors
         softcap, inv_temp = ctx.opts
@@ -393,7 +436,7 @@ class _CrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_loss, _grad_lse):
         if ctx.inplace:
             if getattr(ctx, "consumed", False):
