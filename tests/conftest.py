@@ -9,6 +9,43 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _interpreter_problem() -> str | None:
+    """Why the installed Triton's interpreter cannot run the kernels, or None. Triton 3.6's interpreter converts a
+    loop bound held in a 1-element array with int(), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"); every kernel whose loop bounds are computed fails (with NumPy 2.3 the whole suite
+    passes on Triton 3.6). Triton 3.9's interpreter squeezes the array first."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def probe(out_ptr, n):
+        acc = 0
+        for _ in range(0, n - tl.program_id(0)):
+            acc += 1
+        tl.store(out_ptr, acc)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        probe[(1,)](out, 3)
+    except Exception as e:  # noqa: BLE001 - whatever the interpreter raises, the reason is reported
+        import numpy
+        return (f"the Triton {triton.__version__} interpreter cannot run a loop with computed bounds under NumPy "
+                f"{numpy.__version__} ({type(e).__name__}: {e}); use a newer Triton (3.9 works) or, with Triton 3.6, "
+                "NumPy < 2.4")
+    return None if int(out) == 3 else f"the Triton {triton.__version__} interpreter counted {int(out)} of 3 loop steps"
+
+
+def pytest_sessionstart(session):
+    problem = _interpreter_problem()
+    if problem:
+        pytest.exit(problem, returncode=3)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
