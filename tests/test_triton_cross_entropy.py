@@ -62,6 +62,17 @@ def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w,
     check(z, t, inplace, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
+@pytest.mark.parametrize("bandwidth, expected", [
+    (3.352e12, int(3.352e12 * kce.INPLACE_LAG_SECONDS)),  # H100 SXM: 6.0 MB
+    (4.8e12, kce.INPLACE_LAG_BYTES),  # H200: the 8 MiB it was tuned at
+    (None, kce.INPLACE_LAG_BYTES),  # the driver does not say
+])
+def test_in_place_lag_follows_dram_bandwidth(monkeypatch, bandwidth, expected):
+    monkeypatch.setattr(kce, "dram_bytes_per_s", lambda index: bandwidth)
+    assert kce.inplace_lag_bytes(torch.device("cuda", 0)) == expected
+    assert kce.inplace_lag_bytes(torch.device("cpu")) == kce.INPLACE_LAG_BYTES
+
+
 @pytest.mark.parametrize("v,tiles", [(1000, 2), (500, 2), (1000, 4)])
 @pytest.mark.parametrize("lag_bytes", [None, 1, 7 * 256 * 4, 1 << 30])
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype", [g[:6] for g in GRID[1::2]])

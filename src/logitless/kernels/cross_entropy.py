@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import _dispatch
-from ._common import LOG2E, cdiv, cuda_facts
+from ._common import LOG2E, cdiv, cuda_facts, dram_bytes_per_s
 
 _dispatch.register_triton_op("cross_entropy")
 
@@ -515,6 +515,11 @@ MIN_BLOCK_V = 1024
 # --lag): 8 MiB (256 units of 2 x 8192 columns) read 5% of the logits twice from DRAM under Nsight Compute, 32 MiB
 # all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a second launch (two reads from DRAM).
 INPLACE_LAG_BYTES: int | None = 8 << 20
+# The lag is best at about the same time of DRAM traffic on each GPU, not the same bytes: at most INPLACE_LAG_BYTES,
+# and at most INPLACE_LAG_SECONDS of the device's peak DRAM bandwidth. On an H100 (3.35 TB/s: 6.0 MB, 184 units) the
+# in-place path took 3.43-3.45 / 3.66 ms at lags of 128-192 units against 3.79 / 3.84 ms at 256 (scripts/
+# gpu_ce_tiles.py --lag, 2026-11-25); an H200 (4.8 TB/s) keeps the 8 MiB it was tuned at.
+INPLACE_LAG_SECONDS = 1.8e-6
 INPLACE_TILES_PER_PROGRAM = 2  # 4 was slower in place (docs/cross_entropy.md)
 # The statistics alone (no gradient in the launch): tiles of STATS_TILE_ELEMS, STATS_TILES per program, in a loop
 # software-pipelined STATS_STAGES deep (docs/cross_entropy.md).
@@ -528,6 +533,15 @@ class Config(NamedTuple):
     block_v: int  # columns per tile
     num_warps: int
     tiles: int = 1  # tiles per program in the forward pass
+
+
+def inplace_lag_bytes(device: torch.device) -> int | None:
+    """Logits between a work unit's statistics and its gradient in the one-launch in-place path: INPLACE_LAG_BYTES,
+    or less on a GPU whose DRAM moves fewer than INPLACE_LAG_BYTES in INPLACE_LAG_SECONDS (None: a second launch)."""
+    if INPLACE_LAG_BYTES is None or device.type != "cuda":
+        return INPLACE_LAG_BYTES
+    bw = dram_bytes_per_s(device.index if device.index is not None else torch.cuda.current_device())
+    return INPLACE_LAG_BYTES if bw is None else min(INPLACE_LAG_BYTES, int(bw * INPLACE_LAG_SECONDS))
 
 
 def num_sms(device: torch.device) -> int:
@@ -609,7 +623,7 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     # same launch (INPLACE_LAG_BYTES), or by a second launch.
     in_registers = write_grad and not split and cfg.tiles == 1
     if lag is None and INPLACE_LAG_BYTES is not None:
-        lag = INPLACE_LAG_BYTES // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
+        lag = inplace_lag_bytes(dev) // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
     lagged = write_grad and not in_registers and lag is not None
     lag = max(K, min(lag, n_units)) if lagged else 0
     if split:
