@@ -137,9 +137,17 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     for j in jobs:
         if j not in C.JOBS:
             parser.error(f"unknown job {j!r}; expected one of {', '.join(C.JOBS)}")
-    named = [providers.by_name().get(n) for n in _split(args.providers)]
-    if not args.job and named and None not in named:  # --providers alone: the jobs those providers run
-        jobs = [j for j in jobs if any(j in p.jobs for p in named)]
+    known = providers.by_name()
+    if args.providers:
+        names = _split(args.providers)
+        for n in names:
+            if n not in known:
+                parser.error(f"unknown provider {n!r}; expected some of {', '.join(known)}")
+        chosen = [known[n] for n in names]
+    else:
+        chosen = [p for p in providers.REGISTRY if (p.gpu_default if gpu else p.cpu_default)]
+    if args.providers and not args.job:  # --providers alone: the jobs those providers run
+        jobs = [j for j in jobs if any(j in p.jobs for p in chosen)]
     dtypes = _split(args.dtype) or (["bf16"] if gpu else ["fp32"])
     for d in dtypes:
         if d not in C.DTYPES:
@@ -166,15 +174,6 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
             for d in dtypes:
                 for k in kinds:
                     cases.append(C.Case(job, s, d, k))
-    known = providers.by_name()
-    if args.providers:
-        names = _split(args.providers)
-        for n in names:
-            if n not in known:
-                parser.error(f"unknown provider {n!r}; expected some of {', '.join(known)}")
-        chosen = [known[n] for n in names]
-    else:
-        chosen = [p for p in providers.REGISTRY if (p.gpu_default if gpu else p.cpu_default)]
     excluded = set(_split(args.exclude))
     for n in excluded:
         if n not in known:

@@ -620,10 +620,12 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     split = K > 1
     n_units = n_blocks * K
     # A row in registers is written back in the same pass; a longer row `lag` units behind its statistics in the
-    # same launch (INPLACE_LAG_BYTES), or by a second launch.
+    # same launch (inplace_lag_bytes of logits), or by a second launch (None).
     in_registers = write_grad and not split and cfg.tiles == 1
-    if lag is None and INPLACE_LAG_BYTES is not None:
-        lag = inplace_lag_bytes(dev) // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
+    if lag is None:
+        lag_bytes = inplace_lag_bytes(dev)
+        if lag_bytes is not None:
+            lag = lag_bytes // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
     lagged = write_grad and not in_registers and lag is not None
     lag = max(K, min(lag, n_units)) if lagged else 0
     if split:
