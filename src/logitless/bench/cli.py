@@ -49,7 +49,7 @@ data (--data):
   (see docs/data.md; the exact recipe is printed with each run)
 
 defaults: on a GPU all jobs at the model presets of their targets, bf16, both data kinds, every available
-provider but the opt-in variants. On a CPU a small run that finishes in under a minute: cpu-small, fp32, lm
+provider but the opt-in variants. On a CPU a small run (about a minute on two cores): cpu-small, fp32, lm
 data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
 torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.png
