@@ -519,6 +519,15 @@ def test_output_that_is_an_input_is_refused(model_dirs, tmp_path, capsys, monkey
         _fails(["--model", d, "--format", "jsonl", "-", "-o", str(hard)], capsys, "the input standard input")
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "hard.jsonl", "soft.jsonl"]
+    # Standard output appended to an input (`>> docs.jsonl`) would be read back while it is written.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(score.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with open(hard, "a") as stdout:
+        proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, str(src)],
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and "standard output is redirected to the input" in proc.stderr, proc.stderr
+    assert src.read_bytes() == before
 
 
 def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, monkeypatch):

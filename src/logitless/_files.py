@@ -59,6 +59,21 @@ def check_output(path: str, inputs: Iterable[str] = (), what: str = "output") ->
         raise OutputError(f"{what} {path}: the folder {folder} is not writable")
 
 
+def check_stdout(inputs: Iterable[str]) -> None:
+    """Raise OutputError if standard output is redirected to one of `inputs` (``>> input``: the run would read
+    what it writes)."""
+    try:
+        out = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured, closed)
+        return
+    if not stat.S_ISREG(out.st_mode):
+        return
+    for name in inputs:
+        st = _stat(name) if name != "-" else None
+        if st is not None and same_file(st, out):
+            raise OutputError(f"standard output is redirected to the input {name}; write to another file")
+
+
 def _final_mode(target: str) -> int:
     """Permissions for the new file: the existing file's, else what open() would give (0o666 less the umask)."""
     st = _stat(target)

@@ -571,11 +571,13 @@ def _run(args) -> int:
     _check_inputs(args.files)
     source = _model_source(args)
     to_file = args.output != "-"
-    if to_file:
-        try:
+    try:
+        if to_file:
             _files.check_output(args.output, args.files, what="--output")
-        except _files.OutputError as e:
-            raise ScoreError(str(e)) from None
+        else:
+            _files.check_stdout(args.files)
+    except _files.OutputError as e:
+        raise ScoreError(str(e)) from None
     totals = _scan(args)
     docs = _all_documents(args)
     first = next(docs, None)  # standard input: nothing to score loads no model either
@@ -631,7 +633,7 @@ def _score_all(args, model: _Model, window: int, stride: int, out, docs: Iterato
         bar.total = max(estimate, bar.n)
         bar.refresh()
 
-    with tqdm(total=0, unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, disable=args.quiet,
+    with tqdm(total=None, unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, disable=args.quiet,
               dynamic_ncols=True) as bar:
         for buf in _buffers(docs, max_docs, _BUFFER_CHARS):
             for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar, planned):
