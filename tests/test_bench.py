@@ -187,6 +187,7 @@ def test_cpu_peak_memory_counts_temporaries_not_outputs():
     assert 40e6 <= peak <= 40e6 + 1e5
 
 
+@pytest.mark.slow  # a real-size CPU run; the tiny runs above cover the measuring and the files
 def test_memory_gap_shows_on_the_cpu(tmp_path):
     # At the CPU preset's N and V, what the library is for must show: eager builds the logits, the chunked path
     # does not. (D is smaller than the preset's to keep the test fast; it does not change the logits' size.)
