@@ -331,6 +331,19 @@ def test_windows(family, model_dirs, tmp_path, capsys):
     assert rel_err(torch.tensor(rec["log_probs"]), full[0]) > 1e-3
 
 
+def test_progress_counts_tokens(model_dirs, tmp_path, capsys):
+    # One long document in many windows: the bar moves by scored tokens and ends at their total, documents beside.
+    d = str(model_dirs["llama"])
+    src = _write(tmp_path / "long.txt", [LONG, "A model."])
+    assert score.main(["--model", d, "--dtype", "fp32", "--format", "lines", "--max-length", "16", "--stride", "5",
+                       "--batch-size", "2", "-o", str(tmp_path / "out.jsonl"), str(src)]) == 0
+    err = capsys.readouterr().err
+    recs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    n = sum(r["num_tokens"] for r in recs)
+    final = err.replace("\r", "\n").splitlines()
+    assert any(f"{n}/{n}" in line and "tok" in line and "2/2 documents" in line for line in final), err
+
+
 def test_plan_windows_covers_each_token_once():
     for has_bos in (True, False):
         for n in (0, 1, 2, 5, 17, 64):

@@ -596,10 +596,10 @@ def _run(args) -> int:
                 model = _Model(source, args.dtype, args.device, args.backend)
                 window, stride = _window_plan(args, model)
                 stats = _score_all(args, model, window, stride, out, itertools.chain([first], docs), totals)
-    docs, tokens, nll_sum = stats
+    n_docs, tokens, nll_sum = stats
     if not args.quiet:
         nll = nll_sum / tokens if tokens else math.nan
-        print(f"logitless score: {docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
+        print(f"logitless score: {n_docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
               f"perplexity {_exp(nll):.4f} (token-weighted over all documents)",
               file=sys.stderr)
     return 0
