@@ -667,3 +667,10 @@ def test_gguf_file(model_dirs, tmp_path, capsys):
             a = torch.tensor(sum((r["log_probs"] for r in got), []), dtype=torch.float64)
             b = torch.tensor(sum((r["log_probs"] for r in ref), []), dtype=torch.float64)
             assert rel_err(a, b) < 1e-6, (dtype, how)
+
+
+def test_version(capsys):
+    from logitless import __version__, cli
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"logitless {__version__}\n"
