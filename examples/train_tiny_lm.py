@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--text", type=Path, help="corpus: a text file, or a folder of .txt files")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "logitless",
                    help="where a fetched python3-doc corpus is kept")
-    p.add_argument("--out", type=Path, default=Path("train-tiny-lm-out"))
+    p.add_argument("--out", type=Path, default=Path("train-tiny-lm-out"),
+                   help="folder for the results (default: ./train-tiny-lm-out, ignored by git in a checkout)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--vocab", type=int, help="BPE vocabulary size")
     p.add_argument("--hidden", type=int)
@@ -309,7 +310,9 @@ def report(args, results: dict, corpus: str, n_tokens: int, vocab: int, out: Pat
     ax.plot(ours["losses"], label=f"logitless.patch (peak {ours['peak_gib']:.2f} GiB)", lw=1.0, ls="--")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / token)")
-    ax.set_title(f"{stock['params'] / 1e6:.0f}M Llama from scratch, vocabulary {vocab}, {tokens_per_step} tokens/step")
+    size = stock["params"] / 1e6
+    ax.set_title(f"{size:.{1 if size < 10 else 0}f}M-parameter Llama from scratch, vocabulary {vocab}, "
+                 f"{tokens_per_step} tokens/step")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

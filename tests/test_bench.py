@@ -187,6 +187,7 @@ def test_cpu_peak_memory_counts_temporaries_not_outputs():
     assert 40e6 <= peak <= 40e6 + 1e5
 
 
+@pytest.mark.slow  # a real-size CPU run; the tiny runs above cover the measuring and the files
 def test_memory_gap_shows_on_the_cpu(tmp_path):
     # At the CPU preset's N and V, what the library is for must show: eager builds the logits, the chunked path
     # does not. (D is smaller than the preset's to keep the test fast; it does not change the logits' size.)
@@ -301,3 +302,31 @@ def test_providers_that_run_no_case_of_a_job_exit_2(argv, unserved, capsys):
     for job in unserved:
         runners = [p.name for p in providers.REGISTRY if job in p.jobs]
         assert f"{job} (run by {', '.join(runners)})" in err
+
+
+def test_output_files_are_replaced_together_or_not_at_all(tmp_path, monkeypatch, capsys):
+    # The files of a run appear only when all are written: a failure while writing them (here the CSV) leaves the
+    # previous run's files byte for byte, and no temporary file behind.
+    from logitless.bench import report
+
+    out = tmp_path / "out"
+    argv = [*TINY, "--job", "ce", "--providers", "floor", "--no-plots", "--out", str(out)]
+    assert bench_cli.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"table.txt", "table.md", "results.json", "results.csv"}
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report, "write_csv", broken)
+    with pytest.raises(OSError, match="disk full"):
+        bench_cli.main([*argv, "--seed", "1"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    assert bench_cli.main([*argv, "--seed", "1"]) == 0
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(after) == set(before) and after["results.json"] != before["results.json"]
+    # --out naming a file is refused before anything runs.
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main([*TINY, "--out", str(out / "table.txt")])
+    assert e.value.code == 2 and "is not a folder" in capsys.readouterr().err

@@ -14,6 +14,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow  # compiles every kernel specialisation for sm_86 (~30 s of CPU)
 def test_kernels_fit_sm86():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_check.py"), "--arch", "86",
                         "--shapes", "200,48,700", "--dtypes", "bf16"], capture_output=True, text=True, timeout=900)

@@ -129,8 +129,12 @@ def case_kwargs(case):
 CASES = ("padded", "num_items_tensor", "num_items_int", "shift_labels", "keep_int", "keep_positions")
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("name", sorted(MODELS))
+# Every model with padding, every case on llama and gemma2 (softcap) in the quick subset; the rest of the grid
+# (each case's slicing and reduction is the same code for every model) is marked slow.
+@pytest.mark.parametrize("name, case", [
+    pytest.param(n, c, marks=() if c == "padded" or n in ("llama", "gemma2") else pytest.mark.slow)
+    for n in sorted(MODELS) for c in CASES
+])
 def test_matches_stock(name, case):
     compare(name, case_kwargs(case))
 
@@ -155,6 +159,27 @@ def test_keep_boolean_mask():
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_bfloat16(name):
     compare(name, batch(), dtype=torch.bfloat16)
+
+
+def test_patch_keeps_the_model_as_transformers_loads_it(tmp_path):
+    # from_pretrained(dtype=bfloat16) keeps RoPE's inv_freq in float32; patching and a fused training step must
+    # leave every buffer as it is (dtype and values), and the loss is that of this model, not of a cast one.
+    _base("llama").save_pretrained(tmp_path)
+    load = lambda dtype: transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).train()
+    model = load(torch.bfloat16)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    assert any(b.dtype == torch.float32 for n, b in before.items() if "inv_freq" in n)
+    logitless.patch(model)
+    ours, g_ours = run(model, batch())
+    after = dict(model.named_buffers())
+    assert after.keys() == before.keys()
+    for n, b in before.items():
+        assert after[n].dtype == b.dtype and torch.equal(after[n], b), n
+    stock, g_stock = run(load(torch.bfloat16), batch())
+    truth, g_truth = run(load(torch.float64), batch())
+    assert_within_rule("loss", ours.loss, stock.loss, truth.loss)
+    for pname in g_truth:
+        assert_within_rule(f"grad {pname}", g_ours[pname], g_stock[pname], g_truth[pname])
 
 
 def test_cpu_autocast():

@@ -234,15 +234,48 @@ def test_matches_model_logits(family, model_dirs, tmp_path, capsys):
             assert r["ppl"] == pytest.approx(math.exp(r["nll"]), rel=1e-12)
 
 
-def test_bf16_matches_model_logits(model_dirs, tmp_path, capsys):
-    # bf16 weights and activations: ours within 2x PyTorch's own bf16 error against float64.
-    # The head alone: the bf16 backbone is not ours, and its error (the same for every head computed on its hidden
-    # states) can hide the head's, in either direction.
-    d = model_dirs["gemma2"]
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_bf16_matches_model_logits(family, model_dirs, tmp_path, capsys):
+    # bf16 weights and activations, on the two RoPE families (gemma2 with its softcap): ours within 2x PyTorch's own
+    # bf16 error against float64 for the head alone (the bf16 backbone is not ours, and its error, the same for
+    # every head computed on its hidden states, can hide the head's in either direction) ...
+    d = model_dirs[family]
+    docs = [*DOCS, " ".join(CORPUS[:3])]  # ~110 tokens: positions where rounded rotary angles would show
     records = _score(["--model", str(d), "--dtype", "bf16", "--per-token", "--batch-size", "1",
-                      str(_jsonl(tmp_path, DOCS))], capsys)
+                      str(_jsonl(tmp_path, docs))], capsys)
     tok = transformers.AutoTokenizer.from_pretrained(d)
-    _check_against_model(records, d, [_expected_ids(tok, t, "added") for t in DOCS], torch.bfloat16, head_only=True)
+    ids_list = [_expected_ids(tok, t, "added") for t in docs]
+    _check_against_model(records, d, ids_list, torch.bfloat16, head_only=True)
+    # ... and the whole model is the one transformers loads in bf16: the reference runs the backbone of
+    # from_pretrained(dtype=bfloat16), so our numbers agree with it to the float32 head's rounding (measured
+    # 5e-8 relative; a model cast with .to(bfloat16), which rounds RoPE's float32 inv_freq, is 4e-4 off).
+    ours = torch.tensor(sum((r["log_probs"] for r in records), []), dtype=torch.float64)
+    ref = torch.cat([t[0] for t in _head_truth(d, ids_list, torch.bfloat16, SCORE_DEVICE)])
+    assert rel_err(ours, ref) < 1e-5
+    # The model's own bf16 forward agrees within its bf16 rounding: its logits (softcap included) and its
+    # log-softmax are rounded to bf16, an ulp (2**-7 relative) of the largest logit and of the log-prob per token.
+    for rec, (lp, _), ids in zip(records, _truth(d, ids_list, torch.bfloat16, SCORE_DEVICE, one_by_one=True),
+                                 ids_list, strict=True):
+        if rec["num_tokens"]:
+            bound = 2.0**-7 * (_max_logit(d, ids) + lp.float().abs())
+            assert ((torch.tensor(rec["log_probs"]) - lp.float()).abs() <= bound).all()
+
+
+def _max_logit(model_dir, ids) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits.abs().max().item()
+
+
+def test_model_is_loaded_as_transformers_loads_it(model_dirs):
+    # Parameters in the requested dtype, every buffer (RoPE's inv_freq) in the dtype from_pretrained gives it.
+    d = model_dirs["llama"]
+    m = score._Model(score._Source(str(d), None), "bf16", "cpu", "torch")
+    m.load()
+    stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    assert {n: b.dtype for n, b in m.model.named_buffers()} == {n: b.dtype for n, b in stock.named_buffers()}
+    assert any(b.dtype == torch.float32 for n, b in m.model.named_buffers() if "inv_freq" in n)
+    assert {p.dtype for p in m.model.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("family", ["llama", "phi"])
@@ -296,6 +329,19 @@ def test_windows(family, model_dirs, tmp_path, capsys):
     # ... and the windows matter: with full context some tokens get other log-probs.
     (full,) = _truth(d, [ids], torch.float64)
     assert rel_err(torch.tensor(rec["log_probs"]), full[0]) > 1e-3
+
+
+def test_progress_counts_tokens(model_dirs, tmp_path, capsys):
+    # One long document in many windows: the bar moves by scored tokens and ends at their total, documents beside.
+    d = str(model_dirs["llama"])
+    src = _write(tmp_path / "long.txt", [LONG, "A model."])
+    assert score.main(["--model", d, "--dtype", "fp32", "--format", "lines", "--max-length", "16", "--stride", "5",
+                       "--batch-size", "2", "-o", str(tmp_path / "out.jsonl"), str(src)]) == 0
+    err = capsys.readouterr().err
+    recs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    n = sum(r["num_tokens"] for r in recs)
+    final = err.replace("\r", "\n").splitlines()
+    assert any(f"{n}/{n}" in line and "tok" in line and "2/2 documents" in line for line in final), err
 
 
 def test_plan_windows_covers_each_token_once():
@@ -371,7 +417,7 @@ def test_errors(model_dirs, tmp_path, capsys):
     good = str(_jsonl(tmp_path, DOCS))
     _fails(["--model", d, str(tmp_path / "missing.txt")], capsys, "input file not found", "missing.txt")
     _fails(["--model", d, "--dtype", "fp8", good], capsys, "unknown dtype 'fp8'", rc=2)
-    _fails(["--model", str(tmp_path / "nowhere"), good], capsys, "local directory", "nowhere")
+    _fails(["--model", str(tmp_path / "nowhere"), good], capsys, "does not exist", "nowhere", "local folder")
     _fails(["--model", d, "--batch-size", "0", good], capsys, "--batch-size")
     _fails(["--model", d, "--max-length", "1", good], capsys, "--max-length must be at least 2")
     _fails(["--model", d, "--max-length", "4096", good], capsys, "exceeds the model's maximum positions (128)")
@@ -409,3 +455,222 @@ def test_unusable_backend_is_one_line_before_the_model_loads(model_dirs, tmp_pat
     assert out == ""
     assert err.startswith("logitless score: error: ") and err.count("\n") == 1, err
     assert "backend='triton' needs CUDA tensors" in err and "TRITON_INTERPRET=1" in err, err
+
+
+def _no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_errors_come_before_the_model_loads(model_dirs, tmp_path, capsys, monkeypatch):
+    # Arguments, windows and every input line are checked before the weights load (which takes long on real models).
+    _no_model_load(monkeypatch)
+    d = str(model_dirs["llama"])
+    good = str(_jsonl(tmp_path, DOCS))
+    _fails(["--model", d, "--max-length", "1", good], capsys, "--max-length must be at least 2")
+    _fails(["--model", d, "--stride", "0", good], capsys, "--stride must be at least 1")
+    _fails(["--model", d, "--max-length", "8", "--stride", "9", good], capsys, "--stride 9 is larger than")
+    _fails(["--model", d, "--max-length", "4096", good], capsys, "exceeds the model's maximum positions (128)")
+    _fails(["--model", d, "--max-length", "16", "--stride", "16", good], capsys, "--stride must be in [1, 15]")
+    bad = _write(tmp_path / "late.jsonl", [json.dumps({"text": t}) for t in DOCS] + ["{oops"])
+    _fails(["--model", d, good, str(bad)], capsys, f"late.jsonl:{len(DOCS) + 1}", "not valid JSON")
+    # A folder that holds no model says so (not transformers' tokenizer error), and names the GGUF files it has.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _fails(["--model", str(empty), good], capsys, "has no config.json", "not a saved model")
+    (empty / "tiny.gguf").write_bytes(b"")
+    _fails(["--model", str(empty), good], capsys, "has no config.json", "tiny.gguf")
+    _fails(["--model", good, good], capsys, "is a file")
+
+
+def test_empty_input_loads_no_model(model_dirs, tmp_path, capsys, monkeypatch):
+    _no_model_load(monkeypatch)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert score.main(["--model", str(model_dirs["llama"]), "-o", str(out), str(empty)]) == 0
+    assert out.read_bytes() == b""
+    assert "0 documents, 0 scored tokens" in capsys.readouterr().err
+    monkeypatch.undo()
+    _no_model_load(monkeypatch)
+    # An empty text file (or standard input) is one document with nothing to score: its line, and still no model.
+    (empty := tmp_path / "empty.txt").write_bytes(b"")
+    with open(empty) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        records = _score(["--model", str(model_dirs["llama"]), str(empty), "-"], capsys)
+    assert [(r["source"], r["num_tokens"], r["nll"]) for r in records] == [(str(empty), 0, None), ("-", 0, None)]
+
+
+# --- file safety: the output is written whole or not at all, and never over an input --------------------------
+
+
+def _tree(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
+
+
+def test_output_that_is_an_input_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
+    # The same file by any name (the path itself, another spelling, a hard link, a symbolic link) is refused before
+    # anything is loaded or written; the input keeps every byte.
+    _no_model_load(monkeypatch)
+    d = str(model_dirs["llama"])
+    src = _jsonl(tmp_path, DOCS)
+    before = src.read_bytes()
+    hard = tmp_path / "hard.jsonl"
+    os.link(src, hard)
+    soft = tmp_path / "soft.jsonl"
+    soft.symlink_to(src)
+    monkeypatch.chdir(tmp_path)
+    for out in (str(src), "./docs.jsonl", f"{tmp_path}/../{tmp_path.name}/docs.jsonl", str(hard), str(soft)):
+        _fails(["--model", d, str(src), "-o", out], capsys, "is the same file as the input")
+        _fails(["--model", d, "docs.jsonl", "-o", out], capsys, "is the same file as the input")
+    _fails(["--model", d, str(soft), "-o", str(hard)], capsys, "is the same file as the input")
+    with open(src) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        _fails(["--model", d, "--format", "jsonl", "-", "-o", str(hard)], capsys, "the input standard input")
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "hard.jsonl", "soft.jsonl"]
+    # Standard output appended to an input (`>> docs.jsonl`) would be read back while it is written.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(score.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with open(hard, "a") as stdout:
+        proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, str(src)],
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and "standard output is redirected to the input" in proc.stderr, proc.stderr
+    assert src.read_bytes() == before
+
+
+def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, monkeypatch):
+    d = str(model_dirs["llama"])
+    out = tmp_path / "scores.jsonl"
+    out.write_bytes(b"previous results\n")
+    os.chmod(out, 0o640)
+    src = _jsonl(tmp_path, DOCS)
+    expected = _tree(tmp_path)
+    # Before scoring: a bad line, a missing model folder, a bad option.
+    bad = _write(tmp_path / "bad.jsonl", ['{"text": "fine"}', "not json"])
+    expected["bad.jsonl"] = bad.read_bytes()
+    _fails(["--model", d, str(bad), "-o", str(out)], capsys, "bad.jsonl:2")
+    _fails(["--model", str(tmp_path / "missing"), str(src), "-o", str(out)], capsys, "does not exist")
+    _fails(["--model", d, "--max-length", "4096", str(src), "-o", str(out)], capsys, "maximum positions")
+    assert _tree(tmp_path) == expected
+    # During scoring, after some lines were written: an error, and an interrupt.
+    real = score._Model.score
+    calls = []
+
+    def fail_second(self, windows, want_entropy, exc):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise exc
+        return real(self, windows, want_entropy)
+
+    for exc, rc in ((RuntimeError("out of memory"), None), (KeyboardInterrupt(), 130)):
+        monkeypatch.setattr(score._Model, "score", lambda self, w, e, exc=exc: fail_second(self, w, e, exc))
+        argv = ["--model", d, "--dtype", "fp32", "--batch-size", "1", "--quiet", str(src), "-o", str(out)]
+        if rc is None:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                score.main(argv)
+        else:
+            assert score.main(argv) == rc
+        assert _tree(tmp_path) == expected
+    assert os.stat(out).st_mode & 0o777 == 0o640
+
+
+def test_successful_run_replaces_the_output(model_dirs, tmp_path, capsys):
+    d = str(model_dirs["llama"])
+    src = _jsonl(tmp_path, DOCS)
+    out = tmp_path / "scores.jsonl"
+    out.write_bytes(b"previous results\n" * 1000)
+    os.chmod(out, 0o640)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    assert score.main(["--model", d, "--dtype", "fp32", "--quiet", str(src), "-o", str(link)]) == 0
+    capsys.readouterr()
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(DOCS) and json.loads(lines[0])["id"] == "doc-0"
+    assert link.is_symlink() and os.stat(out).st_mode & 0o777 == 0o640  # the link stays, the mode is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "link.jsonl", "scores.jsonl"]
+    # An output in a folder that does not exist is refused before anything is loaded.
+    _fails(["--model", d, str(src), "-o", str(tmp_path / "no" / "such.jsonl")], capsys, "does not exist")
+
+
+# --- GGUF files --------------------------------------------------------------------------------------------------
+
+
+def _write_gguf(model_dir, path) -> None:
+    """The llama test model and its tokenizer as an unquantized (float32) GGUF file, laid out as llama.cpp's
+    converter writes one (tensor names, rotary halves of q/k interleaved, byte-level BPE vocabulary and merges)."""
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    spec = json.loads(tok.backend_tokenizer.to_str())["model"]
+    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]  # the model's spare rows, as llama.cpp names them
+    for t, i in spec["vocab"].items():
+        tokens[i] = t
+    special = set(tok.all_special_tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["merges"]])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_add_bos_token(True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+
+    def interleave(a, heads):  # llama.cpp's order of the rotary halves within each head
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    for name, p in model.state_dict().items():
+        a = p.numpy()
+        if name.endswith("q_proj.weight"):
+            a = interleave(a, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            a = interleave(a, cfg.num_key_value_heads)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_file(model_dirs, tmp_path, capsys):
+    # A GGUF file is scored directly (model and tokenizer from the one file), by --model FILE.gguf or --gguf FILE:
+    # the same numbers as the folder it was written from, in float32 and in bf16 (loaded as transformers does).
+    d = model_dirs["llama"]
+    path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(d, path)
+    other = tmp_path / "tiny-llama.bin"
+    os.link(path, other)
+    src = str(_jsonl(tmp_path, DOCS))
+    for dtype in ("fp32", "bf16"):
+        ref = _score(["--model", str(d), "--per-token", "--dtype", dtype, src], capsys)
+        for how in (["--model", str(path)], ["--gguf", str(other)]):
+            got = _score([*how, "--per-token", "--dtype", dtype, src], capsys)
+            assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
+            a = torch.tensor(sum((r["log_probs"] for r in got), []), dtype=torch.float64)
+            b = torch.tensor(sum((r["log_probs"] for r in ref), []), dtype=torch.float64)
+            assert rel_err(a, b) < 1e-6, (dtype, how)
+
+
+def test_version(capsys):
+    from logitless import __version__, cli
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"logitless {__version__}\n"

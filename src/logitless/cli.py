@@ -14,8 +14,13 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"logitless {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: logitless {" + ",".join(_COMMANDS) + "} [options]\n")
+        print("usage: logitless [--version] {" + ",".join(_COMMANDS) + "} [options]\n")
         for name, (_, text) in _COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`logitless COMMAND --help` explains each command's options.")

@@ -362,8 +362,8 @@ def linear_cross_entropy(
         skip_threshold: the largest fraction of each row's probability mass whose gradient the Triton backward may
             skip (cold tiles of the softmax, neither recomputed nor multiplied); each gradient row then changes by
             at most ``skip_threshold`` times its coefficient. ``None`` or 0 (default): nothing is skipped. 2**-12
-            (``logitless.linear_cross_entropy.HALF_SKIP_THRESHOLD``) is safe for bfloat16/float16 inputs (below
-            their resolution); float32 needs a far smaller value. A tile holding a target is never skipped, and
+            (``from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD``) is safe for bfloat16/float16 inputs
+            (below their resolution); float32 needs a far smaller value. A tile holding a target is never skipped, and
             nothing is skipped with ``label_smoothing > 0``, on the PyTorch path or with ``process_group``. Opt-in
             because it pays only on very peaked softmaxes (docs/kernels.md has the measurements).
         vocab_order: how the Triton path orders the vocabulary when it skips, so that frequent classes share

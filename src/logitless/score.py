@@ -1,16 +1,22 @@
-"""The `logitless score` command: per-token log-probs, NLL and perplexity of text under a local HF causal LM.
+"""The `logitless score` command: per-token log-probs, NLL and perplexity of text under a local causal LM.
 
-Pipeline: read documents (plain text, one per file or per line, or JSONL) -> tokenize with the model's own tokenizer
-(prepending BOS where the tokenizer has one and did not add it) -> cut documents longer than ``--max-length`` into
-strided windows -> sort the windows of a buffer of documents by length and batch them, right-padded -> run the
-model's backbone -> compute log p(token) (and the entropy) of the scored positions only with
-:func:`logitless.linear_log_probs`, so no (tokens x vocabulary) logits tensor is ever built -> write one JSON line
-per document, in input order. ``docs/score.md`` explains each choice; ``main(argv)`` is the entry point.
+The model is a local Hugging Face checkpoint folder or a GGUF file (dequantized by transformers). Pipeline: check
+the arguments, the output path and every input line -> load the tokenizer and the config, check the windows ->
+load the weights in the requested dtype as transformers does (never cast afterwards: buffers such as RoPE's
+``inv_freq`` keep their float32) -> read documents (plain text, one per file or per line, or JSONL) -> tokenize
+with the model's own tokenizer (prepending BOS where the tokenizer has one and did not add it) -> cut documents
+longer than ``--max-length`` into strided windows -> sort the windows of a buffer of documents by length and batch
+them, right-padded -> run the model's backbone -> compute log p(token) (and the entropy) of the scored positions
+only with :func:`logitless.linear_log_probs`, so no (tokens x vocabulary) logits tensor is ever built -> write one
+JSON line per document, in input order, to a temporary file renamed over ``--output`` when the run succeeds.
+``docs/score.md`` explains each choice; ``main(argv)`` is the entry point.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -20,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _files
 from ._dispatch import resolve_backend
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -75,14 +82,18 @@ _NO_ID = object()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="logitless score",
-        description="Score text with a local Hugging Face causal LM: per document, the token count, mean negative "
-                    "log-likelihood (nats) and perplexity, and with --per-token each token's log-prob and the "
-                    "entropy of the prediction. The head is computed with logitless.linear_log_probs: no logits "
-                    "tensor. Writes one JSON line per document, in input order.",
+        description="Score text with a local causal LM (a Hugging Face folder or a GGUF file): per document, the "
+                    "token count, mean negative log-likelihood (nats) and perplexity, and with --per-token each "
+                    "token's log-prob and the entropy of the prediction. The head is computed with "
+                    "logitless.linear_log_probs: no logits tensor. Writes one JSON line per document, in input "
+                    "order.",
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="input files; '-' reads standard input")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="local directory with the model and its tokenizer (save_pretrained); nothing is downloaded")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR|FILE.gguf",
+                     help="local folder with the model and its tokenizer (what save_pretrained writes), or a GGUF "
+                          "file (model and tokenizer in one; needs the gguf package); nothing is downloaded")
+    src.add_argument("--gguf", metavar="FILE", help="a GGUF file, whatever its name ends with (like --model FILE.gguf)")
     p.add_argument("--dtype", default="auto", type=_parse_dtype,
                    help="bf16, fp16 or fp32; auto (default): bf16 on CUDA (fp16 where bf16 is unsupported), "
                         "fp32 elsewhere")
@@ -102,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL field copied to the output as 'id' when present (default: id)")
     p.add_argument("--per-token", action="store_true",
                    help="also write token_ids, tokens, log_probs and entropies of every scored token")
-    p.add_argument("--output", "-o", default="-", metavar="FILE", help="output JSONL file (default: stdout)")
+    p.add_argument("--output", "-o", default="-", metavar="FILE",
+                   help="output JSONL file (default: stdout); written to a temporary file beside it and renamed "
+                        "into place when the run succeeds, so a failed run leaves an existing file untouched; "
+                        "it may not be one of the inputs")
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                    help="backend of linear_log_probs (default auto)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary on stderr")
@@ -153,20 +167,18 @@ def _check_inputs(paths: list[str]) -> None:
             raise ScoreError(f"input is not a regular file: {path}")
 
 
-def _count_documents(paths: list[str], fmt: str) -> int | None:
-    """Documents in all inputs, for the progress bar; None when standard input is among them."""
-    total = 0
-    for path in paths:
-        kind = _file_format(path, fmt)
-        if path == "-":
-            return None
-        if kind == "text":
-            total += 1
-            continue
-        with open(path, "rb") as f:
-            for line in f:
-                total += kind == "lines" or bool(line.strip())
-    return total
+def _scan(args) -> tuple[int, int] | None:
+    """(documents, characters) of all inputs, reading every file once before the model loads, so that a bad line
+    (invalid JSON or UTF-8, a missing text field) stops the run at once; None when standard input is among them
+    (it can be read only once: its lines are checked as they are scored)."""
+    if "-" in args.files:
+        return None
+    docs = chars = 0
+    for path in args.files:
+        for d in iter_documents(path, args.format, args.text_field, args.id_field):
+            docs += 1
+            chars += len(d.text)
+    return docs, chars
 
 
 def _open_text(path: str, newline):
@@ -233,28 +245,90 @@ def plan_windows(num_body: int, window: int, stride: int, has_bos: bool) -> list
     return plan
 
 
-class _Model:
-    """A causal LM split into its backbone and its linear head, the head computed by linear_log_probs."""
+class _Source(NamedTuple):
+    """Where the model is: a Hugging Face folder, or a GGUF file (`gguf` is its name within `folder`)."""
 
-    def __init__(self, model_dir: str, dtype_key: str, device_arg: str, backend: str):
+    folder: str
+    gguf: str | None
+
+    @property
+    def kwargs(self) -> dict:
+        return {"local_files_only": True, **({"gguf_file": self.gguf} if self.gguf else {})}
+
+    def __str__(self) -> str:
+        return os.path.join(self.folder, self.gguf) if self.gguf else self.folder
+
+
+def _model_source(args) -> _Source:
+    """The model's location, checked before anything is loaded."""
+    path = args.gguf if args.gguf is not None else args.model
+    if not os.path.exists(path):
+        raise ScoreError(f"--{'gguf' if args.gguf is not None else 'model'} {path} does not exist (it must be a "
+                         "local folder or a GGUF file; nothing is downloaded)")
+    if args.gguf is not None or (os.path.isfile(path) and path.lower().endswith(".gguf")):
+        if not os.path.isfile(path):
+            raise ScoreError(f"--gguf {path} is not a file")
+        folder, name = os.path.split(os.path.abspath(path))
+        return _Source(folder, name)
+    if os.path.isfile(path):
+        raise ScoreError(f"--model {path} is a file: pass a model folder, or a GGUF file named *.gguf (or --gguf "
+                         "FILE)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+        hint = (f"; it holds GGUF files: pass one, --model {os.path.join(path, ggufs[0])}" if ggufs else
+                " (a Hugging Face model folder, as save_pretrained writes it, has config.json, the weights and the "
+                "tokenizer files)")
+        raise ScoreError(f"--model {path} has no config.json, so it is not a saved model{hint}")
+    return _Source(path, None)
+
+
+class _Model:
+    """A causal LM split into its backbone and its linear head, the head computed by linear_log_probs.
+
+    Built in two steps, so that every argument is checked before the weights load: the constructor loads the
+    tokenizer and the config (fast), `load()` the weights."""
+
+    def __init__(self, source: _Source, dtype_key: str, device_arg: str, backend: str):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        if not os.path.isdir(model_dir):
-            raise ScoreError(f"--model must be a local directory (nothing is downloaded): {model_dir} is not one")
         try:
-            import transformers
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            import transformers  # noqa: F401
+            from transformers import AutoConfig, AutoTokenizer
         except ImportError as e:
             raise ScoreError(f"logitless score needs transformers ({e}): pip install 'logitless[hf]'") from None
-
+        if source.gguf:
+            try:
+                import gguf  # noqa: F401
+            except ImportError:
+                raise ScoreError("reading a GGUF file needs the gguf package: pip install gguf") from None
+        self.source = source
         self.device = _resolve_device(device_arg)
         self.dtype = _resolve_dtype(dtype_key, self.device)
         self.backend = _check_backend(backend, self.device)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs)
         except Exception as e:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
-            raise ScoreError(f"cannot load a tokenizer from {model_dir}: {e}") from None
+            raise ScoreError(f"cannot load a tokenizer from {source}: {_first_line(e)}") from None
         # The tokenizer warns about sequences longer than its model_max_length; windows take care of those.
         self.tokenizer.model_max_length = sys.maxsize
+        try:
+            config = AutoConfig.from_pretrained(source.folder, **source.kwargs)
+        except Exception as e:
+            raise ScoreError(f"cannot read the model's config from {source}: {_first_line(e)}") from None
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.max_positions = next((getattr(cfg, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
+                                   if isinstance(getattr(cfg, a, None), int)), None)
+        self.bos = self.tokenizer.bos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def load(self) -> None:
+        """Load the weights in self.dtype, the way transformers does, find the backbone and the head, and check
+        them on the probe (check_head); once, before the first batch, so that inputs with nothing to score (empty
+        documents only) never load them."""
+        if hasattr(self, "model"):
+            return
+        import transformers
+        from transformers import AutoModelForCausalLM
+
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
         # Our own progress bar is the only one on stderr; transformers' weight-loading bar is restored afterwards.
@@ -262,13 +336,17 @@ class _Model:
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **{dtype_kw: self.dtype})
+            model = AutoModelForCausalLM.from_pretrained(self.source.folder, **self.source.kwargs,
+                                                         **{dtype_kw: self.dtype})
         except Exception as e:
-            raise ScoreError(f"cannot load a causal LM from {model_dir}: {e}") from None
+            raise ScoreError(f"cannot load a causal LM from {self.source}: {_first_line(e)}") from None
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # Moved, never cast: from_pretrained(dtype=) has already put the parameters in the requested dtype and
+        # kept the buffers that must stay float32 (RoPE's inv_freq) as they are; a .to(dtype) here would round
+        # those too, and the positions' angles with them.
+        self.model = model.to(device=self.device).eval()
         self.backbone = _backbone(model)
         head = model.get_output_embeddings()
         weight = getattr(head, "weight", None)
@@ -285,10 +363,7 @@ class _Model:
             c = float(getattr(cfg, attr))
             self.temperature = 1.0 / c if multiply else c
         self.vocab = weight.shape[0]
-        self.max_positions = next((getattr(cfg, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
-                                   if isinstance(getattr(cfg, a, None), int)), None)
-        self.bos = self.tokenizer.bos_token_id
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.check_head()
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, starting with BOS when the tokenizer has one (added here if it did not)."""
@@ -296,11 +371,13 @@ class _Model:
         for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]:
             if self.bos is not None and (not ids or ids[0] != self.bos):
                 ids = [self.bos, *ids]
-            bad = [t for t in ids if not 0 <= t < self.vocab]
-            if bad:
-                raise ScoreError(f"the tokenizer produced id {bad[0]} but the model's vocabulary has {self.vocab}")
             out.append(ids)
         return out
+
+    def check_ids(self, encoded: list[list[int]]) -> None:
+        bad = [t for ids in encoded for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ScoreError(f"the tokenizer produced id {bad[0]} but the model's vocabulary has {self.vocab}")
 
     def score(self, windows: list[Window], want_entropy: bool):
         """(log-probs, entropies or None) of the scored tokens of each window, float32 CPU tensors."""
@@ -363,6 +440,12 @@ class _Model:
             )
 
 
+def _first_line(e: Exception) -> str:
+    """The first line of an error message (transformers' can run to pages): enough to say what is missing."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def _backbone(model):
     """The module whose last hidden state feeds the output embedding (get_decoder(), else base_model)."""
     get = getattr(model, "get_decoder", None)
@@ -403,8 +486,20 @@ def _resolve_dtype(key: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _check_args(args) -> None:
+    """What can be checked from the arguments alone, before anything is read or loaded."""
+    if args.batch_size < 1:
+        raise ScoreError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.max_length is not None and args.max_length < 2:
+        raise ScoreError(f"--max-length must be at least 2, got {args.max_length}")
+    if args.stride is not None and args.stride < 1:
+        raise ScoreError(f"--stride must be at least 1, got {args.stride}")
+    if args.stride is not None and args.max_length is not None and args.stride > args.max_length:
+        raise ScoreError(f"--stride {args.stride} is larger than --max-length {args.max_length}")
+
+
 def _window_plan(args, model: _Model) -> tuple[int, int]:
-    """(body tokens per window, stride), checked against the model and each other."""
+    """(body tokens per window, stride), checked against the model's positions and BOS, and each other."""
     max_len = args.max_length
     if max_len is None:
         max_len = min(model.max_positions or _DEFAULT_MAX_LENGTH, _DEFAULT_MAX_LENGTH)
@@ -472,37 +567,51 @@ def _record(doc: Document, ids: list[int], parts, per_token: bool, tokenizer) ->
 
 
 def _run(args) -> int:
-    if args.batch_size < 1:
-        raise ScoreError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _check_args(args)
     _check_inputs(args.files)
-    out = sys.stdout if args.output == "-" else _open_output(args.output)
+    source = _model_source(args)
+    to_file = args.output != "-"
     try:
-        with torch.inference_mode():
-            model = _Model(args.model, args.dtype, args.device, args.backend)
-            window, stride = _window_plan(args, model)
-            model.check_head()
-            stats = _score_all(args, model, window, stride, out)
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    docs, tokens, nll_sum = stats
+        if to_file:
+            _files.check_output(args.output, args.files, what="--output")
+        else:
+            _files.check_stdout(args.files)
+    except _files.OutputError as e:
+        raise ScoreError(str(e)) from None
+    totals = _scan(args)
+    docs = _all_documents(args)
+    first = next(docs, None)  # standard input: nothing to score loads no model either
+    if to_file:
+        try:
+            sink = _files.atomic_open(args.output, "w", encoding="utf-8")
+        except OSError as e:
+            raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+    else:
+        sink = contextlib.nullcontext(sys.stdout)
+    with sink as out:
+        if first is None:
+            stats = (0, 0, 0.0)
+        else:
+            with torch.inference_mode():
+                model = _Model(source, args.dtype, args.device, args.backend)
+                window, stride = _window_plan(args, model)
+                stats = _score_all(args, model, window, stride, out, itertools.chain([first], docs), totals)
+    n_docs, tokens, nll_sum = stats
     if not args.quiet:
         nll = nll_sum / tokens if tokens else math.nan
-        print(f"logitless score: {docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
+        print(f"logitless score: {n_docs} documents, {tokens} scored tokens, NLL {nll:.4f} nats/token, "
               f"perplexity {_exp(nll):.4f} (token-weighted over all documents)",
               file=sys.stderr)
     return 0
 
 
-def _open_output(path: str):
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as e:
-        raise ScoreError(f"cannot write --output {path}: {e.strerror}") from None
+def _score_all(args, model: _Model, window: int, stride: int, out, docs: Iterator[Document],
+               totals: tuple[int, int] | None) -> tuple[int, int, float]:
+    """Score every document, writing its line as soon as it and all documents before it are done.
 
-
-def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int, int, float]:
-    """Score every document, writing its line as soon as it and all documents before it are done."""
+    The progress bar counts scored tokens, so that a few long documents move it too. Their total is known only
+    once the text is tokenized, a buffer at a time: until the last buffer it is estimated from the characters
+    still to come at the tokens-per-character rate seen so far (exact for inputs of one buffer)."""
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is a convenience: score without it
@@ -510,23 +619,38 @@ def _score_all(args, model: _Model, window: int, stride: int, out) -> tuple[int,
     # Non-ASCII text as is where the output takes UTF-8, \u escapes (still the same JSON) where it may not.
     ascii_only = (getattr(out, "encoding", None) or "").lower().replace("-", "") != "utf8"
     max_docs = max(_BUFFER_DOCS, 4 * args.batch_size)
-    total = _count_documents(args.files, args.format)
+    total_docs, total_chars = totals if totals is not None else (None, None)
     n_docs = n_tokens = 0
     logp_sum = 0.0
-    with tqdm(total=total, unit="doc", desc="scoring", file=sys.stderr, disable=args.quiet, dynamic_ncols=True) as bar:
-        for buf in _buffers(_all_documents(args), max_docs, _BUFFER_CHARS):
-            for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar):
+    seen = {"tokens": 0, "chars": 0}
+
+    def planned(buf_tokens: int, buf_chars: int) -> None:
+        seen["tokens"] += buf_tokens
+        seen["chars"] += buf_chars
+        estimate = seen["tokens"]
+        if total_chars is not None and seen["chars"]:
+            estimate += round((total_chars - seen["chars"]) * seen["tokens"] / seen["chars"])
+        bar.total = max(estimate, bar.n)
+        bar.refresh()
+
+    with tqdm(total=None, unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, disable=args.quiet,
+              dynamic_ncols=True) as bar:
+        for buf in _buffers(docs, max_docs, _BUFFER_CHARS):
+            for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar, planned):
                 out.write(json.dumps(rec, ensure_ascii=ascii_only, allow_nan=False) + "\n")
                 out.flush()
                 n_docs += 1
                 n_tokens += rec["num_tokens"]
                 logp_sum += doc_sum
+                bar.set_postfix_str(f"{n_docs}/{total_docs if total_docs is not None else '?'} documents",
+                                    refresh=False)
     return n_docs, n_tokens, -logp_sum
 
 
 class _NoBar:
     def __init__(self, *args, **kwargs):
-        pass
+        self.n = 0
+        self.total = 0
 
     def __enter__(self):
         return self
@@ -535,11 +659,19 @@ class _NoBar:
         return False
 
     def update(self, n=1):
+        self.n += n
+
+    def refresh(self):
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):
         pass
 
 
-def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, args, bar):
-    """Yield (record, sum of log-probs) for the documents of `buf` in order, each once it is complete."""
+def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, args, bar, planned):
+    """Yield (record, sum of log-probs) for the documents of `buf` in order, each once it is complete.
+    `planned(tokens, characters)` is told the buffer's scored tokens once they are known; `bar` moves by the
+    tokens of each scored batch."""
     has_bos = model.bos is not None
     p = int(has_bos)
     encoded = model.encode([d.text for d in buf])
@@ -552,7 +684,10 @@ def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, 
     for w in windows:
         parts[w.doc].append(None)
     pending = [len(p) for p in parts]
-    bar.update(pending.count(0))  # documents with nothing to score (empty) are done already
+    if windows:
+        model.load()
+        model.check_ids(encoded)
+    planned(sum(len(w.ids) - w.first for w in windows), sum(len(d.text) for d in buf))
     # Longest first: a batch that does not fit in memory fails at once, not after hours.
     windows.sort(key=lambda w: len(w.ids), reverse=True)
     ready = 0
@@ -563,7 +698,7 @@ def _score_buffer(buf: list[Document], model: _Model, window: int, stride: int, 
             for w, res in zip(batch, model.score(batch, args.per_token), strict=True):
                 parts[w.doc][w.part] = res
                 pending[w.doc] -= 1
-                bar.update(int(pending[w.doc] == 0))
+            bar.update(sum(len(w.ids) - w.first for w in batch))
         while ready < len(buf) and pending[ready] == 0:
             yield _record(buf[ready], encoded[ready], parts[ready], args.per_token, model.tokenizer)
             ready += 1

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from .. import _files
 from . import cases as C
 from . import data, providers, report
 from .runner import Options, run
@@ -48,7 +49,7 @@ data (--data):
   (see docs/data.md; the exact recipe is printed with each run)
 
 defaults: on a GPU all jobs at the model presets of their targets, bf16, both data kinds, every available
-provider but the opt-in variants. On a CPU a small run that finishes in under a minute: cpu-small, fp32, lm
+provider but the opt-in variants. On a CPU a small run (about a minute on two cores): cpu-small, fp32, lm
 data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
 torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.png
@@ -94,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None,
                     help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
     ap.add_argument("--out", default="bench-out", metavar="DIR",
-                    help="folder for the table, JSON, CSV and PNG files (default: %(default)s)")
+                    help="folder for the table, JSON, CSV and PNG files (default: %(default)s); they replace "
+                         "files of the same names there only once all are written, so a run that fails or is "
+                         "interrupted leaves the folder as it was")
     ap.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     ap.add_argument("--check-rows", type=int, default=None, metavar="K",
                     help="rows of the batch on which each provider is checked against float64 "
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         return _list(_device(args.device))
     cases, chosen, opts = resolve(args, parser)
+    _check_out(args.out, parser)
     # Inductor says, for every compiled graph, that a split reduction turns its online softmax off: noise here.
     warnings.filterwarnings("ignore", message=r"[\s\S]*Online softmax is disabled")
     log = _logger(opts.progress)
@@ -257,23 +261,36 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     print(legend)
-    os.makedirs(args.out, exist_ok=True)
     data_lines = "\n".join(f"data {d}" for d in result.data.values())
     header = f"{meta['command']}\n{meta['device']}; torch {meta['torch']}; triton {meta['triton']}\n{data_lines}\n"
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(header + "\n" + text + "\n" + legend + "\n")
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(report.tables(result, markdown=True) + "\n" + legend.replace("\n", "\n\n") + "\n")
-    report.write_json(result, meta, os.path.join(args.out, "results.json"))
-    report.write_csv(result, os.path.join(args.out, "results.csv"))
-    written = ["table.txt", "table.md", "results.json", "results.csv"]
-    if not args.no_plots:
-        try:
-            written += [os.path.basename(p) for p in report.write_plots(result, args.out)]
-        except ImportError as e:
-            print(f"plots skipped: {e} (pip install matplotlib, or the package's [bench] extra)")
+    # Every file goes to a temporary one beside it; all are renamed into place together at the end.
+    with _files.AtomicGroup() as files:
+        with files.open(os.path.join(args.out, "table.txt"), "w") as f:
+            f.write(header + "\n" + text + "\n" + legend + "\n")
+        with files.open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(report.tables(result, markdown=True) + "\n" + legend.replace("\n", "\n\n") + "\n")
+        report.write_json(result, meta, os.path.join(args.out, "results.json"), opener=files.open)
+        report.write_csv(result, os.path.join(args.out, "results.csv"), opener=files.open)
+        written = ["table.txt", "table.md", "results.json", "results.csv"]
+        if not args.no_plots:
+            try:
+                written += [os.path.basename(p) for p in report.write_plots(result, args.out, opener=files.open)]
+            except ImportError as e:
+                print(f"plots skipped: {e} (pip install matplotlib, or the package's [bench] extra)")
     print(f"wrote {', '.join(written)} to {args.out}")
     return 0
+
+
+def _check_out(out: str, parser) -> None:
+    """--out is a folder that exists or can be made, checked before the run (minutes), not after it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out} exists and is not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot create the folder ({e.strerror or e})")
+    if not os.access(out, os.W_OK | os.X_OK):
+        parser.error(f"--out {out}: the folder is not writable")
 
 
 def _logger(progress: bool):

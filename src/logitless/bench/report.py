@@ -126,7 +126,7 @@ def _clean(v):
     return v
 
 
-def write_json(run: Run, meta: dict, path: str) -> None:
+def write_json(run: Run, meta: dict, path: str, opener=open) -> None:
     doc = {
         "meta": meta,
         "data": run.data,
@@ -139,7 +139,7 @@ def write_json(run: Run, meta: dict, path: str) -> None:
                    for r in run.results if r.checks],
         "results": [{k: _clean(v) for k, v in rec.items()} for rec in _records(run)],
     }
-    with open(path, "w") as f:
+    with opener(path, "w") as f:
         json.dump(doc, f, indent=1)
 
 
@@ -148,8 +148,8 @@ CSV_FIELDS = ["job", "shape", "N", "D", "V", "dtype", "data", "provider", "statu
               "error", "phase_error"]
 
 
-def write_csv(run: Run, path: str) -> None:
-    with open(path, "w", newline="") as f:
+def write_csv(run: Run, path: str, opener=open) -> None:
+    with opener(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for rec in _records(run):
@@ -162,10 +162,11 @@ def _value(results: list[Result], provider: str, shape: str, phase: str, fld: st
     return getattr(pr, fld) if pr is not None and pr.status == "ok" else None
 
 
-def write_plots(run: Run, out_dir: str) -> list[str]:
+def write_plots(run: Run, out_dir: str, opener=open) -> list[str]:
     """One PNG per job: time and peak memory of the headline phase, per shape (groups) and provider (bars).
     The dense floor is drawn as a dashed line across each group on the time panel and left off the memory panel
-    (its memory is that of its own outputs, which says nothing)."""
+    (its memory is that of its own outputs, which says nothing). `opener(path, mode)` opens each file (the
+    CLI's writes to a temporary file renamed into place when the whole run has succeeded)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,7 +223,8 @@ def write_plots(run: Run, out_dir: str) -> list[str]:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
         fig.tight_layout(rect=(0, 0.05 if len(kinds) > 1 else 0.09, 1, 1))
         path = os.path.join(out_dir, f"bench_{job}.png")
-        fig.savefig(path, dpi=110)
+        with opener(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
