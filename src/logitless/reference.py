@@ -27,15 +27,18 @@ import torch.nn.functional as F
 
 from . import _validate
 
-# The default memory policy of both paths: beyond O(N) (and O(N D) on this path), the work may take the larger of
-# POLICY_MIN_BYTES and a tenth of the bytes that the N x V logits would take in bf16 (N V / 5 bytes), whatever the
-# dtype: small next to the logits, and enough for the Triton backward's float32 input-gradient accumulator (4 N D
-# bytes) at every shape of BENCHMARKS.md (kernels/linear_head.py, _workspace). Tests shrink POLICY_MIN_BYTES.
+# The default memory policy of both paths (workspace_bytes=None on the Triton path): beyond O(N) (and the O(N D)
+# float32 input-gradient accumulator of this path), the work may take the larger of POLICY_MIN_BYTES and a tenth of
+# the bytes that the N x V logits would take in bf16 (N V / 5 bytes), whatever the dtype. A tenth is small next to
+# the logits (torch.compile's fwd+bwd holds about all of them) and covers the Triton backward's float32 accumulator
+# of its own (4 N D bytes, 2 D / V of the bf16 logits) plus the lean 8 MiB scratch at every shape of BENCHMARKS.md
+# (mistral-nemo needs the most, 7.8% + 0.4%), which removes its second pass (kernels/linear_head.py, _workspace):
+# 157-475 MiB there. Tests shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
 POLICY_MIN_BYTES = 16 << 20
 POLICY_LOGITS_DIVISOR = 10
-# This path's (token chunk x vocab chunk) float32 block takes a third of the budget: the common case holds one block,
-# and the options that need a temporary of the block's size (softcap, entropy, smoothing) two, plus a mask.
-_BLOCK_SHARE = 3
+# This path's (token chunk x vocab chunk) float32 block takes half of the budget, or a third with the options that
+# need a temporary of the block's size (the softcap's chain factor in the backward, the entropy, smoothing).
+_BLOCK_SHARE = 2
 # Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
 _MIN_COLS = 1024
 # The cross_entropy twin (logits given) walks chunks of this many classes.
@@ -49,11 +52,11 @@ def default_workspace_bytes(n: int, V: int) -> int:
     return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
 
 
-def _block(n: int, V: int) -> tuple[int, int]:
-    """(token rows, vocabulary columns) of one float32 block of this path: a third of the policy's budget, all n
-    tokens at once while that leaves at least _MIN_COLS classes (the backward then writes each dW chunk once, and
-    reads x once), else chunks of tokens."""
-    elems = max(1, default_workspace_bytes(n, V) // (4 * _BLOCK_SHARE))
+def _block(n: int, V: int, temporaries: bool = False) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one float32 block of this path: half of the policy's budget (a third
+    with `temporaries` of the block's size), all n tokens at once while that leaves at least _MIN_COLS classes (the
+    backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
+    elems = max(1, default_workspace_bytes(n, V) // (4 * (_BLOCK_SHARE + bool(temporaries))))
     cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
     return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
@@ -204,7 +207,7 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
     sw = torch.zeros(n, **f) if want_smooth else None
     ref = torch.zeros(n, **f) if want_smooth else None
     ent = torch.zeros(n, **f) if want_entropy else None
-    rows, cols = _block(n, V)
+    rows, cols = _block(n, V, want_smooth or want_entropy)
     for i0, i1 in _chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
         st = _RowStats(i1 - i0, device, dtype, t_c, ignore_index, want_smooth, want_entropy)
@@ -268,12 +271,15 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
         if db is not None:
             db.zero_()
         return (dx.to(x.dtype) if need_x else None), dw, db
-    rows, cols = _block(n, V)
+    rows, cols = _block(n, V, B is not None or softcap is not None)
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
     buf = torch.empty(rows * cols, device=x.device, dtype=acc)
     x_all = x.to(acc) if one_block else None
     A2, B2, C2, E2 = (None if c is None else c[:, None] for c in (A, B, C, E))
     m2, logs2 = m[:, None], logs[:, None]
+    # p A = exp(z - m) (A / S), S = exp(logs) (at most V): one pass fewer over each block than exp((z - m) - logs) A,
+    # and no rounding of (z - m) - logs inside the exponential.
+    a_s = (A * torch.exp(-logs))[:, None] if B is None else None
     for v0, v1 in _chunks(V, cols):
         w_c = w[v0:v1].to(acc)
         b_c = b[v0:v1] if b is not None else None
@@ -291,7 +297,7 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
             chain = z.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
-            dz = _dz_block(z, m2[sl], logs2[sl], A2[sl], None if B2 is None else B2[sl],
+            dz = _dz_block(z, m2[sl], logs2[sl], A2[sl] if a_s is None else a_s[sl], None if B2 is None else B2[sl],
                            None if C2 is None else C2[sl], None if E2 is None else E2[sl],
                            None if target is None else target[sl], v0, v1, cw_c)
             del z
@@ -318,7 +324,7 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
 
 def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
     """dL/dz = p (A + B (z - m)) - C [j == t] - E w for a block of (temperature-scaled) logits z, written over z
-    (the per-row coefficients as columns [rows, 1], B, C, E may be None)."""
+    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs))."""
     z.sub_(m2)  # z - m, exact
     if B2 is not None:
         g = z.mul(B2).add_(A2)  # A + B (z - m): B multiplies z - m, no cancellation at |z| ~ 1e4
@@ -327,7 +333,7 @@ def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
         dz.mul_(g).masked_fill_(zero, 0.0)
         del g, zero
     else:
-        dz = z.sub_(logs2).exp_().mul_(A2)
+        dz = z.exp_().mul_(A2)
     if E2 is not None:
         if class_w_c is not None:
             dz.addcmul_(E2, class_w_c[None, :], value=-1.0)

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
+from ..reference import default_workspace_bytes
 from ._common import LOG2E, cdiv, cuda_facts
 
 try:  # Triton >= 3.4
@@ -67,13 +68,6 @@ except ImportError:  # pragma: no cover
 # chunks. A larger budget (_workspace) buys a larger scratch and, past 4 N D bytes more, a float32 dx accumulator of
 # its own.
 SCRATCH_BYTES = 8 << 20
-# The default memory policy (workspace_bytes=None, default_workspace_bytes): the backward may use the larger of
-# POLICY_MIN_BYTES and a tenth of the bytes that the N x V logits would take in bf16 (N V / 5 bytes). A tenth covers
-# the float32 dx accumulator (4 N D bytes, 2 D / V of the bf16 logits) plus the lean scratch at every shape of
-# BENCHMARKS.md (mistral-nemo needs the most: 7.8% + 0.4%), which removes the second pass; it is 157-475 MiB there,
-# 3-10% of what torch.compile's fwd+bwd holds. Tests shrink POLICY_MIN_BYTES to reach the small shapes' plans.
-POLICY_MIN_BYTES = 16 << 20
-POLICY_LOGITS_DIVISOR = 10
 # Tests set this: every output and workspace starts as NaN, so an element that is never written shows up.
 DEBUG_POISON = False
 # The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
@@ -1331,13 +1325,6 @@ def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: 
 class _Workspace(NamedTuple):
     scratch: int  # bytes the scratch buffer may take (allocated when first needed, as large as a chunk needs)
     own_acc: bool  # allocate the float32 dx accumulator (4 N D bytes) instead of borrowing dW rows
-
-
-def default_workspace_bytes(N: int, V: int) -> int:
-    """The default memory policy: what the backward of a head of N tokens and V classes may allocate beyond O(N)
-    when workspace_bytes is None, the larger of POLICY_MIN_BYTES (16 MiB) and a tenth of N x V bf16 logits
-    (N V / 5 bytes), whatever the dtype."""
-    return max(POLICY_MIN_BYTES, 2 * N * V // POLICY_LOGITS_DIVISOR)
 
 
 def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, acc_forced: bool = False
