@@ -21,7 +21,8 @@ allocation before it, minus the gradients it returns (logitless.bench.measure.pe
 loss of each logitless setting is compared with the lean plan's, and its gradients too (largest difference relative
 to the largest entry; the settings sum in different orders, so a few ulp of bf16 are expected, not zero).
 The policy's choice per shape (budget, own accumulator, scratch, stashed classes) is printed first.
-About 4-5 minutes on an H100 for the seven default shapes (torch.compile compiles once per shape).
+Estimated at 4-5 minutes on an H100 for the seven default shapes (torch.compile compiles once per shape; not yet
+run on a GPU: --smoke checks it on the CPU).
 """
 
 from __future__ import annotations
