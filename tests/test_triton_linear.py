@@ -281,7 +281,7 @@ def test_backward_workspaces(name, products, monkeypatch):
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
     ours = logitless.linear_cross_entropy(*ours_in[:2], t, linear_bias=ours_in[2], backend="triton",
                                           reduction="sum", label_smoothing=0.1,
-                                          workspace_bytes=budget[0] if budget else None)
+                                          workspace_bytes=budget[0] if budget else 0)
     theirs_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
     theirs = reference.naive_linear_cross_entropy(*theirs_in[:2], t, linear_bias=theirs_in[2], upcast=False,
                                                   reduction="sum", label_smoothing=0.1)
@@ -466,10 +466,13 @@ def test_stash_conditions(monkeypatch):
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", False)  # _dgrad_kernel reads dz row-major only
     assert lh.stash_layout(x, w, True, None) is None
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    # (the lean plan: the float32 dx accumulator in dW's last rows leaves room for 576 classes; the default policy
+    # gives it its own buffer, and all of dW is room)
     monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576)  # the recomputation it saves here, 576 classes
-    assert lh.stash_layout(x, w, True, None).classes == 576
+    assert lh.stash_layout(x, w, True, 0).classes == 576
+    assert lh.stash_layout(x, w, True, None).classes > 576
     monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576 + 1)
-    assert lh.stash_layout(x, w, True, None) is None
+    assert lh.stash_layout(x, w, True, 0) is None
     monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
     used = []
     monkeypatch.setattr(lh, "forward_stats", functools.partial(
@@ -486,10 +489,11 @@ def test_stash_conditions(monkeypatch):
 # input's gradient and with an accumulator of its own. Replays the first pass's memory: a stashed chunk's logits and
 # maxima are intact until it reads them, every dz region and dW row range written stays off data still needed.
 @pytest.mark.parametrize("n,d,v,need_dx,budget", [
-    (8192, 2304, 256000, True, None), (16384, 4096, 128256, True, None), (8192, 5120, 131072, True, None),
-    (16384, 1024, 151936, True, None), (4096, 4096, 128256, True, None), (1024, 2048, 32000, True, None),
-    (4096, 2048, 32000, False, None), (16384, 4096, 128256, True, 4 * 16384 * 4096 + (256 << 20)),
-    (512, 4096, 32000, True, None)])
+    (8192, 2304, 256000, True, 0), (16384, 4096, 128256, True, 0), (8192, 5120, 131072, True, 0),
+    (16384, 1024, 151936, True, 0), (4096, 4096, 128256, True, 0), (1024, 2048, 32000, True, 0),
+    (4096, 2048, 32000, False, 0), (16384, 4096, 128256, True, 4 * 16384 * 4096 + (256 << 20)),
+    (512, 4096, 32000, True, 0), (8192, 2304, 256000, True, None), (16384, 4096, 128256, True, None),
+    (8192, 5120, 131072, True, None), (16384, 768, 50257, True, None)])
 def test_stash_layout_timeline(monkeypatch, n, d, v, need_dx, budget):
     monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
     monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
@@ -497,7 +501,7 @@ def test_stash_layout_timeline(monkeypatch, n, d, v, need_dx, budget):
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
     lay = lh.stash_layout(x, w, need_dx, budget)
-    ws = lh._workspace(n, d, 2, budget)
+    ws = lh._workspace(n, v, d, 2, budget)
     plan = lh._plan(x, torch.empty(n, d, **meta) if need_dx else None, w, n, v, d, cfg, False, ws)
     end = plan.dw_free if need_dx else v * d  # the dx accumulator's first element, where it lives in dW
     assert lay is not None and lay.classes % cfg.block_v == 0 and lay.classes <= plan.dw_end
@@ -824,11 +828,13 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
     x, w, t = peaked(torch.bfloat16, [hot_classes], n=40)
     b = (torch.randn(300, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16).to(DEV)
     t[3] = -100
-    plans, _ = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU, vocab_order="batch")
+    # (the leanest plan: with the default policy's own accumulator the order has one range, [0, 300))
+    plans, _ = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU, vocab_order="batch", workspace_bytes=0)
     xo, wo = leaves(x, w)
-    grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, backend="triton"), [xo, wo])
+    grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, backend="triton", workspace_bytes=0),
+          [xo, wo])
     assert bool(plans[1].hot.all())
-    position = torch.argsort(lh.vocab_order(class_counts(t, 300, -100), x, w))  # the order the call used
+    position = torch.argsort(lh.vocab_order(class_counts(t, 300, -100), x, w, 0))  # the order the call used
     tiles = sorted({int(position[c]) // 64 for c in hot_classes})
     assert len(tiles) == 2
     expected = torch.zeros(2, 5, dtype=torch.uint8)
@@ -856,7 +862,7 @@ def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     if order == "counts":  # per-class counts that reorder every range of the vocabulary
         order = torch.rand(v, generator=torch.Generator().manual_seed(3)).to(DEV)
     plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
-                          vocab_order=order, workspace_bytes=budget[0] if budget else None)
+                          vocab_order=order, workspace_bytes=budget[0] if budget else 0)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
     assert any(dz_at is not None for chunks in wide for _, _, dz_at, _ in chunks) == (isinstance(order, str)
                                                                                  and order == "none")
@@ -867,21 +873,23 @@ def test_skip_workspaces(name, order, monkeypatch, small_tiles):
             assert torch.equal(perm[v0:v1].sort().values.cpu().long(), torch.arange(v0, v1)), (v0, v1)
 
 
-@pytest.mark.parametrize("budget_mib", [None, 64, 300])
+@pytest.mark.parametrize("budget_mib", [0, 64, 300, None])
 def test_vocab_order_follows_workspace(budget_mib, monkeypatch):
-    # At llama3-8b's shape with the GPU tiles (planning only, meta tensors): a larger scratch moves the second
-    # pass's chunk boundaries (64 MiB) or removes the pass (300 MiB: the accumulator's own buffer). The order made for
-    # that budget keeps each of the backward's second-pass chunks on its own classes.
+    # At llama3-8b's shape with the GPU tiles (planning only, meta tensors): the lean plan (0), a larger scratch that
+    # moves the second pass's chunk boundaries (64 MiB), or no second pass (300 MiB, and the default policy's 400
+    # MiB: the accumulator's own buffer). The order made for that budget keeps each of the backward's second-pass
+    # chunks on its own classes.
     monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
     n, d, v = 16384, 4096, 128256
     budget = None if budget_mib is None else budget_mib << 20
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
     perm = lh.vocab_order(torch.rand(v, generator=torch.Generator().manual_seed(0)), x, w, budget)
-    ws = lh._workspace(n, d, 2, budget)
+    ws = lh._workspace(n, v, d, 2, budget)
     plan = lh._plan(x, torch.empty(n, d, **meta), w, n, v, d, lh._GPU_CONFIG, True, ws)
     chunks = lh._second_pass(n, v, d, 2, lh._GPU_CONFIG, plan.dw_end, True, ws.scratch)
-    assert (plan.dw_end == v) == (budget_mib == 300) and bool(chunks) == (budget_mib != 300)
+    own = budget_mib in (300, None)
+    assert (plan.dw_end == v) == own and bool(chunks) == (not own)
     for v0, v1, _ in chunks + [(0, plan.dw_end, None)]:
         assert torch.equal(perm[v0:v1].sort().values.long(), torch.arange(v0, v1)), (v0, v1)
     assert not torch.equal(perm.long(), torch.arange(v))
@@ -1103,13 +1111,13 @@ def test_workspace_chunks_capped_at_wide(monkeypatch):
     for n, d, v in ((4096, 4096, 128256), (8192, 2304, 256000), (512, 64, 32000)):
         x = torch.empty(n, d, **meta)
         widths = {}
-        for name, budget in (("default", None), ("ws", 4 * n * d + (256 << 20))):
-            ws = lh._workspace(n, d, 2, budget)
+        for name, budget in (("lean", 0), ("default", None), ("ws", 4 * n * d + (256 << 20))):
+            ws = lh._workspace(n, v, d, 2, budget)
             plan = lh._plan(x, torch.empty(n, d, **meta), torch.empty(v, d, **meta), n, v, d, cfg, False, ws)
             chunks = lh._first_pass(n, v, d, cfg, plan, False, True)
             widths[name] = max(v1 - v0 for v0, v1, *_ in chunks)
             assert chunks[0][0] == plan.dw_end % v and chunks[-1][1] in (v, plan.dw_end)
         default_cols = lh._scratch_cols(n, 2, cfg.block_v)
-        assert widths["ws"] <= max(cfg.wide, default_cols), (n, widths)
+        assert max(widths["ws"], widths["default"]) <= max(cfg.wide, default_cols), (n, widths)
         assert lh._scratch_cols(n, 2, cfg.block_v, False, 256 << 20, cfg.wide) == max(
             min(cfg.wide, (256 << 20) // (2 * n)) // cfg.block_v * cfg.block_v, default_cols)

@@ -27,9 +27,38 @@ import torch.nn.functional as F
 
 from . import _validate
 
-# Elements of one (token chunk x vocab chunk) float32 block; a handful of such blocks are alive at once.
-_CHUNK_ELEMS = 1 << 20
+# The default memory policy of both paths (workspace_bytes=None on the Triton path): beyond O(N) (and the O(N D)
+# float32 input-gradient accumulator of this path), the work may take the larger of POLICY_MIN_BYTES and a tenth of
+# the bytes that the N x V logits would take in bf16 (N V / 5 bytes), whatever the dtype. A tenth is small next to
+# the logits (torch.compile's fwd+bwd holds about all of them) and covers the Triton backward's float32 accumulator
+# of its own (4 N D bytes, 2 D / V of the bf16 logits) plus the lean 8 MiB scratch at every shape of BENCHMARKS.md
+# (mistral-nemo needs the most, 7.8% + 0.4%), which removes its second pass (kernels/linear_head.py, _workspace):
+# 157-475 MiB there. Tests shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
+POLICY_MIN_BYTES = 16 << 20
+POLICY_LOGITS_DIVISOR = 10
+# This path's (token chunk x vocab chunk) float32 block takes half of the budget, or a third with the options that
+# need a temporary of the block's size (the softcap's chain factor in the backward, the entropy, smoothing).
+_BLOCK_SHARE = 2
+# Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
+_MIN_COLS = 1024
+# The cross_entropy twin (logits given) walks chunks of this many classes.
 _VOCAB_CHUNK = 4096
+_CHUNK_ELEMS = 1 << 20
+
+
+def default_workspace_bytes(n: int, V: int) -> int:
+    """The default memory policy: bytes the work of a head of n tokens and V classes may take beyond O(n), the
+    larger of POLICY_MIN_BYTES (16 MiB) and a tenth of n x V bf16 logits (n V / 5 bytes)."""
+    return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
+
+
+def _block(n: int, V: int, temporaries: bool = False) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one float32 block of this path: half of the policy's budget (a third
+    with `temporaries` of the block's size), all n tokens at once while that leaves at least _MIN_COLS classes (the
+    backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
+    elems = max(1, default_workspace_bytes(n, V) // (4 * (_BLOCK_SHARE + bool(temporaries))))
+    cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
+    return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
 
 NOT_DIFFERENTIABLE = ("logitless: the gradients of its ops (linear_cross_entropy, linear_log_probs, linear_logsumexp, "
@@ -98,13 +127,18 @@ def _acc(dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _linear_chunk(x_c, w_c, b_c, softcap, inv_temp):
-    """float32 logits of a (token chunk, vocab chunk) block: [Cn, Cv]."""
+def _linear_chunk(x_c, w_c, b_c, softcap, inv_temp, out=None):
+    """float32 logits of a (token chunk, vocab chunk) block: [Cn, Cv], a new tensor (or `out`), transformed in
+    place."""
     acc = _acc(x_c.dtype)
-    z = x_c.to(acc) @ w_c.to(acc).T
+    z = torch.mm(x_c.to(acc), w_c.to(acc).T, out=out)
     if b_c is not None:
         z += b_c.to(acc)
-    return _transform(z, softcap, inv_temp)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    return z
 
 
 class _RowStats:
@@ -124,19 +158,12 @@ class _RowStats:
         self.ent = torch.zeros(n, **f32) if want_entropy else None
 
     def update(self, z, v0, v1, class_w_c):
+        """Folds the block z [rows, v1 - v0] in; z is used up (overwritten) unless it is a view of another tensor."""
         m_c = z.amax(dim=1)
         m_new = torch.maximum(self.m, m_c)
         # Rows whose max is still -inf (empty so far) must not produce NaN from (-inf) - (-inf).
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         alpha = torch.exp(self.m - m_safe)
-        e = torch.exp(z - m_safe[:, None])
-        if self.ent is not None:
-            shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-            # A class at -inf (a vocabulary masked by a -inf bias) has e = 0 and adds 0, not 0 * -inf.
-            ed = torch.where(e > 0, e * (z - m_safe[:, None]), torch.zeros_like(e))
-            self.ent = alpha * (self.ent + shift * self.s) + ed.sum(dim=1)
-        self.s = self.s * alpha + e.sum(dim=1)
-        self.m = m_new
         if self.target is not None:
             t = self.target
             inside = (t >= v0) & (t < v1)
@@ -146,7 +173,19 @@ class _RowStats:
             if self.ref is None:
                 self.ref = m_c
             d = z - self.ref[:, None]
-            self.sw = self.sw + (d if class_w_c is None else d * class_w_c).sum(dim=1)
+            self.sw = self.sw + (d.sum(dim=1) if class_w_c is None else d @ class_w_c.to(d.dtype))
+            del d
+        # e = exp(z - m), in z's own memory when it owns it (a new block), else in a new one.
+        d = z.sub_(m_safe[:, None]) if z._base is None else z - m_safe[:, None]
+        if self.ent is not None:
+            # A class at -inf (a vocabulary masked by a -inf bias) has e = 0 and adds 0, not 0 * -inf.
+            e = torch.exp(d)
+            ed = e.mul_(d).nan_to_num_(nan=0.0)
+            shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+            self.ent = alpha * (self.ent + shift * self.s) + ed.sum(dim=1)
+            del e, ed
+        self.s = self.s * alpha + d.exp_().sum(dim=1)
+        self.m = m_new
 
     def logs(self):
         return torch.log(self.s)
@@ -157,9 +196,10 @@ class _RowStats:
 
 
 def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, want_smooth, want_entropy):
-    """Run the online statistics over all (token chunk, vocab chunk) blocks. Returns per-row tensors
-    (m, logs, zt, sw, ref, ent): the row max and log sum_j exp(z_j - m) are kept apart (lse = m + logs) because
-    z_j - m is exact while a rounded float32 lse of a logit near 1e4 is off by ~1e-3, which would skew every p_j."""
+    """Run the online statistics over all (token chunk, vocab chunk) blocks (_block: all tokens at once where the
+    budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent): the row max and log sum_j exp(z_j - m) are
+    kept apart (lse = m + logs) because z_j - m is exact while a rounded float32 lse of a logit near 1e4 is off by
+    ~1e-3, which would skew every p_j."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -167,13 +207,12 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
     sw = torch.zeros(n, **f) if want_smooth else None
     ref = torch.zeros(n, **f) if want_smooth else None
     ent = torch.zeros(n, **f) if want_entropy else None
-    cn = _token_chunk(V)
-    for i0, i1 in _chunks(n, cn):
+    rows, cols = _block(n, V, want_smooth or want_entropy)
+    for i0, i1 in _chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
         st = _RowStats(i1 - i0, device, dtype, t_c, ignore_index, want_smooth, want_entropy)
-        for v0, v1 in _chunks(V, _VOCAB_CHUNK):
-            z = chunk_fn(i0, i1, v0, v1)
-            st.update(z, v0, v1, None if class_w is None else class_w[v0:v1])
+        for v0, v1 in _chunks(V, cols):
+            st.update(chunk_fn(i0, i1, v0, v1), v0, v1, None if class_w is None else class_w[v0:v1])
         m[i0:i1] = st.m
         logs[i0:i1] = st.logs()
         if zt is not None:
@@ -215,7 +254,9 @@ def _chain_transform(dz, z, softcap, inv_temp):
 
 def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs):
     """Gradients of a linear head given per-row coefficients coef = (A, B, C, E). Vocab-outer, so each chunk of
-    dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks."""
+    dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks. Each
+    block's logits are recomputed into one preallocated buffer and turned into dL/dz there, in place; the products
+    accumulate into the gradients with addmm_ (into dW directly when all tokens fit in one block)."""
     A, B, C, E = coef
     n, D = x.shape
     V = w.shape[0]
@@ -224,36 +265,85 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
     dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
     dw = torch.empty_like(w) if need_w else None
     db = torch.empty_like(b) if need_b else None
-    cn = _token_chunk(V)
-    for v0, v1 in _chunks(V, _VOCAB_CHUNK):
+    if n == 0 or V == 0:
+        if dw is not None:
+            dw.zero_()
+        if db is not None:
+            db.zero_()
+        return (dx.to(x.dtype) if need_x else None), dw, db
+    rows, cols = _block(n, V, B is not None or softcap is not None)
+    one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
+    buf = torch.empty(rows * cols, device=x.device, dtype=acc)
+    x_all = x.to(acc) if one_block else None
+    A2, B2, C2, E2 = (None if c is None else c[:, None] for c in (A, B, C, E))
+    m2, logs2 = m[:, None], logs[:, None]
+    # p A = exp(z - m) (A / S), S = exp(logs) (at most V): one pass fewer over each block than exp((z - m) - logs) A,
+    # and no rounding of (z - m) - logs inside the exponential.
+    a_s = (A * torch.exp(-logs))[:, None] if B is None else None
+    for v0, v1 in _chunks(V, cols):
         w_c = w[v0:v1].to(acc)
-        b_c = b[v0:v1].to(acc) if b is not None else None
-        cw_c = class_w[v0:v1] if class_w is not None else None
-        dw_c = torch.zeros(v1 - v0, D, device=x.device, dtype=acc) if need_w else None
+        b_c = b[v0:v1] if b is not None else None
+        cw_c = class_w[v0:v1].to(acc) if class_w is not None else None
+        direct = need_w and one_block and dw.dtype == acc  # the chunk's dW rows written by one product
+        dw_c = None
+        if need_w:
+            dw_c = dw[v0:v1] if direct else torch.zeros(v1 - v0, D, device=x.device, dtype=acc)
         db_c = torch.zeros(v1 - v0, device=x.device, dtype=acc) if need_b else None
-        for i0, i1 in _chunks(n, cn):
-            x_c = x[i0:i1].to(acc)
-            z = x_c @ w_c.T
-            if b_c is not None:
-                z += b_c
-            z = _transform(z, softcap, inv_temp)
+        for i0, i1 in _chunks(n, rows):
+            x_c = x_all if one_block else x[i0:i1].to(acc)
             sl = slice(i0, i1)
-            dz = _dz_chunk(
-                z, m[sl], logs[sl], A[sl], None if B is None else B[sl], None if C is None else C[sl],
-                None if E is None else E[sl], None if target is None else target[sl], v0, v1, cw_c,
-            )
-            dz = _chain_transform(dz, z, softcap, inv_temp)
+            z = _linear_chunk(x_c, w_c, b_c, softcap, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
+            # The softcap's chain factor 1 - (z / softcap)^2, from the capped logits before the temperature.
+            chain = z.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            dz = _dz_block(z, m2[sl], logs2[sl], A2[sl] if a_s is None else a_s[sl], None if B2 is None else B2[sl],
+                           None if C2 is None else C2[sl], None if E2 is None else E2[sl],
+                           None if target is None else target[sl], v0, v1, cw_c)
+            del z
+            if inv_temp != 1.0:
+                dz.mul_(inv_temp)
+            if chain is not None:
+                dz.mul_(chain)
+                del chain
             if need_x:
-                dx[sl] += dz @ w_c
+                dx[sl].addmm_(dz, w_c)
             if need_w:
-                dw_c += dz.T @ x_c
+                if direct:
+                    torch.mm(dz.T, x_c, out=dw_c)
+                else:
+                    dw_c.addmm_(dz.T, x_c)
             if need_b:
                 db_c += dz.sum(dim=0)
-        if need_w:
+        if need_w and not direct:
             dw[v0:v1] = dw_c
         if need_b:
             db[v0:v1] = db_c
     return (dx.to(x.dtype) if need_x else None), dw, db
+
+
+def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
+    """dL/dz = p (A + B (z - m)) - C [j == t] - E w for a block of (temperature-scaled) logits z, written over z
+    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs))."""
+    z.sub_(m2)  # z - m, exact
+    if B2 is not None:
+        g = z.mul(B2).add_(A2)  # A + B (z - m): B multiplies z - m, no cancellation at |z| ~ 1e4
+        dz = z.sub_(logs2).exp_()
+        zero = dz == 0  # p = 0 at z = -inf: 0, not 0 * inf
+        dz.mul_(g).masked_fill_(zero, 0.0)
+        del g, zero
+    else:
+        dz = z.exp_().mul_(A2)
+    if E2 is not None:
+        if class_w_c is not None:
+            dz.addcmul_(E2, class_w_c[None, :], value=-1.0)
+        else:
+            dz.sub_(E2)
+    if C2 is not None:
+        inside = (t_c >= v0) & (t_c < v1)
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)
+        dz.scatter_add_(1, idx[:, None], torch.where(inside[:, None], -C2, torch.zeros_like(C2)))
+    return dz
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -332,7 +332,8 @@ def patch(
         ignore_index: label value that is ignored, also used to pad the shifted labels; a forward call's own
             ``ignore_index=`` keyword wins, as in transformers.
         backend: "auto", "triton" or "torch", as in ``linear_cross_entropy``.
-        workspace_bytes: memory the Triton backward may allocate, as in ``linear_cross_entropy`` (None: 8 MiB).
+        workspace_bytes: memory the Triton backward may allocate, as in ``linear_cross_entropy`` (None: the
+            memory policy's budget).
 
     Returns:
         ``model`` itself.

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
+from ..reference import default_workspace_bytes
 from ._common import LOG2E, cdiv, cuda_facts
 
 try:  # Triton >= 3.4
@@ -62,9 +63,10 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-# Bytes of the one scratch buffer the backward may allocate by default (dL/dz of a vocabulary chunk when it cannot
-# borrow a gradient buffer, and split-K partials). Tests shrink it to force many chunks. A caller's larger
-# workspace_bytes (_workspace) buys a larger scratch and, past 4 N D bytes more, a float32 dx accumulator of its own.
+# Bytes of the one scratch buffer of the leanest plan (workspace_bytes <= SCRATCH_BYTES, e.g. 0): dL/dz of a
+# vocabulary chunk when it cannot borrow a gradient buffer, and split-K partials. Tests shrink it to force many
+# chunks. A larger budget (_workspace) buys a larger scratch and, past 4 N D bytes more, a float32 dx accumulator of
+# its own.
 SCRATCH_BYTES = 8 << 20
 # Tests set this: every output and workspace starts as NaN, so an element that is never written shows up.
 DEBUG_POISON = False
@@ -1015,7 +1017,7 @@ def vocab_order(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, workspac
     N, D = x.shape
     by_count = torch.sort(counts.reshape(V), descending=True, stable=True).indices
     key = torch.argsort(by_count)  # rank of each class in the global order
-    ws = _workspace(N, D, x.element_size(), workspace_bytes)
+    ws = _workspace(N, V, D, x.element_size(), workspace_bytes)
     for bound in _segments(N, V, D, x.element_size(), _config(x), ws)[1:-1]:
         key[bound:] += V
     return torch.sort(key).indices.to(torch.int32)
@@ -1242,7 +1244,7 @@ def stash_layout(x: torch.Tensor, w: torch.Tensor, need_dx: bool, workspace_byte
     bv = cfg.block_v
     if cfg.dz_block_v != bv or N * bv >= 1 << 31:
         return None
-    ws = _workspace(N, D, 2, workspace_bytes)
+    ws = _workspace(N, V, D, 2, workspace_bytes)
     end = V * D
     if need_dx and V * D >= 2 * N * D + 8 and not ws.own_acc:
         end = _acc_region(N, V, D, cfg, False)[0]  # the float32 dx accumulator's bytes start here
@@ -1321,23 +1323,29 @@ def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: 
 
 
 class _Workspace(NamedTuple):
-    scratch: int  # bytes of the scratch buffer (allocated when first needed)
+    scratch: int  # bytes the scratch buffer may take (allocated when first needed, as large as a chunk needs)
     own_acc: bool  # allocate the float32 dx accumulator (4 N D bytes) instead of borrowing dW rows
 
 
-def _workspace(N: int, D: int, elt: int, workspace_bytes: int | None) -> _Workspace:
-    """How the backward spends a caller's workspace_bytes (None: SCRATCH_BYTES, the lean default). With bf16/fp16
-    inputs, a budget of at least 4 N D + SCRATCH_BYTES first buys the float32 dx accumulator its own buffer: the
-    dW rows it would borrow no longer wait for a second pass that recomputes their logits (2N of the V classes).
-    What is left (or all of it) enlarges the scratch: wider vocabulary chunks when the dW rows run out (up to
-    cfg.wide classes, _scratch_cols) and room for split partials. The
-    accumulator is allocated in any case when there is no dW to borrow (a frozen head, or V < 2N)."""
-    if workspace_bytes is None or workspace_bytes <= SCRATCH_BYTES:
+def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, acc_forced: bool = False
+               ) -> _Workspace:
+    """How the backward spends a budget of workspace_bytes (None: default_workspace_bytes(N, V); at most
+    SCRATCH_BYTES, e.g. 0: the leanest plan, SCRATCH_BYTES of scratch). With bf16/fp16 inputs, a budget of at least
+    4 N D + SCRATCH_BYTES first buys the float32 dx accumulator its own buffer: the dW rows it would borrow no longer
+    wait for a second pass that recomputes their logits (2N of the V classes). What is left (or all of it) enlarges
+    the scratch: wider vocabulary chunks when the dW rows run out (up to cfg.wide classes, _scratch_cols) and room
+    for split partials. The accumulator is allocated in any case when there is no dW to borrow (a frozen head, or
+    V < 2N: acc_forced); it then counts against the budget, and the scratch gets the rest (SCRATCH_BYTES at least).
+    Shapes only: the forward (stash_layout, vocab_order) and the backward compute the same."""
+    budget = default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
+    if budget <= SCRATCH_BYTES:
         return _Workspace(SCRATCH_BYTES, False)
     acc = 4 * N * D
-    if elt != 4 and workspace_bytes >= acc + SCRATCH_BYTES:
-        return _Workspace(workspace_bytes - acc, True)
-    return _Workspace(workspace_bytes, False)
+    if acc_forced:
+        return _Workspace(max(SCRATCH_BYTES, budget - acc), True)
+    if elt != 4 and budget >= acc + SCRATCH_BYTES:
+        return _Workspace(budget - acc, True)
+    return _Workspace(budget, False)
 
 
 def _acc_region(N: int, V: int, D: int, cfg: Config, aligned: bool) -> tuple[int, int]:
@@ -1426,7 +1434,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the module docstring.
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
     only with skip_threshold > 0 and without a B or E term (their error is not bounded by the probability mass
-    alone). workspace_bytes: what the workspaces may take beyond O(N) (_workspace; None: SCRATCH_BYTES).
+    alone). workspace_bytes: what the workspaces may take beyond O(N) (_workspace; None: the default policy,
+    default_workspace_bytes).
     stash: the buffer the forward kept logits in (forward_stats(stash=...), its layout from stash_layout with this
     need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up."""
     N, D = x.shape
@@ -1448,7 +1457,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     has_perm = perm is not None
     aligned = has_perm or tile_lse is not None
     skip = (tile_lse is not None and skip_threshold > 0 and B is None and E is None and skip_supported(x))
-    ws = _workspace(N, D, x.element_size(), workspace_bytes)
+    # (the float32 dx accumulator is allocated whatever the budget when there are no dW rows to borrow: _plan)
+    acc_forced = need_dx and x.dtype != torch.float32 and not (need_dw and V * D >= 2 * N * D + 8)
+    ws = _workspace(N, V, D, x.element_size(), workspace_bytes, acc_forced)
     plan = _plan(x, dx, dw, N, V, D, cfg, aligned, ws)
     dummy = _dummy(x)
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -1466,14 +1477,17 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     torch_products = _torch_products(x, w, skip, has_perm)
     dz_tma = _use_tma(cfg, x, w, perm)
     dz_x, dz_w = _operands(x, w, dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
-    scratch = []  # one lazily allocated buffer of ws.scratch bytes (more only if one row of N tokens needs more)
+    # One lazily allocated buffer, as large as the largest view asked for so far: at most ws.scratch bytes (more
+    # only if one row of N tokens needs more). No view outlives the next request, so a larger one replaces it.
+    scratch = []
     x_desc = []  # the gradient products' descriptor of x, made once
 
     def scratch_view(shape, dtype):
         n = shape[0] * shape[1]
         nbytes = n * dtype.itemsize
         if not scratch or scratch[0].numel() * 4 < nbytes:
-            scratch[:] = [_new(cdiv(max(ws.scratch, nbytes), 4), **f32)]
+            scratch.clear()  # freed first: the peak holds one buffer
+            scratch.append(_new(cdiv(nbytes, 4), **f32))
         return scratch[0].view(dtype)[:n].view(shape)
 
     def dz_pass(v0, v1, dz, with_db, stashed=False):
