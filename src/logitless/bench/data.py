@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-KINDS = ("lm", "uniform")
+KINDS = ("lm", "uniform", "real")
 
 
 class Head(NamedTuple):
@@ -96,9 +96,129 @@ def uniform(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed:
     return Head(h.to(dtype), w.to(dtype), t, "uniform: hidden ~ N(0,1), W ~ N(0, 0.02^2), uniform targets")
 
 
-def make_head(kind: str, N: int, D: int, V: int, **kw) -> Head:
+_loaded: dict = {}  # the last real-data file read: the cases of one run share it
+
+
+def _real_source(V: int, data_file=None, cache_dir=None) -> dict:
+    """The prepared real data for vocabulary V: `data_file`, or the cache (prepared there on first use)."""
+    from . import real
+
+    if data_file is not None:
+        key = ("file", str(data_file))
+        if key not in _loaded:
+            _loaded.clear()
+            _loaded[key] = real.load(data_file)
+        return _loaded[key]
+    model = real.model_for(V)
+    key = ("cache", model, str(cache_dir))
+    if key not in _loaded:
+        _loaded.clear()
+        _loaded[key] = real.load(real.cached(model, cache_dir))
+    return _loaded[key]
+
+
+def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, data_file=None,
+              cache_dir=None) -> Head:
+    """A pretrained model's head on real text (see real.py): the first N tokens, lifted to D; V must be the model's."""
+    from . import real
+
+    src = _real_source(V, data_file, cache_dir)
+    why = real.serves(src["V"], src["D"], src["input"].shape[0], N, D, V)
+    if why:
+        raise ValueError(f"shape (N={N}, D={D}, V={V}): {why}")
+    device = torch.device(device)
+    x = src["input"][:N].to(device)
+    w = src["weight"].to(device)
+    x, w = real.lift(x, w, D, seed=seed, dtype=dtype)
+    return Head(x, w, src["target"][:N].to(device), real.describe(src, D))
+
+
+def make_head(kind: str, N: int, D: int, V: int, *, data_file=None, cache_dir=None, **kw) -> Head:
     if kind == "lm":
         return lm_like(N, D, V, **kw)
     if kind == "uniform":
         return uniform(N, D, V, **kw)
+    if kind == "real":
+        return real_head(N, D, V, data_file=data_file, cache_dir=cache_dir, **kw)
     raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+
+
+THRESHOLDS = (2.0**-12, 2.0**-8, 2.0**-6)
+
+
+def skip_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor | None = None, *, rows: int = 128,
+               cols: int = 256, thresholds=THRESHOLDS, chunk_rows: int | None = None) -> dict:
+    """How much of a head's backward could skip, from the exact per-row softmax masses of (rows x cols) pairs.
+
+    The batch is cut into blocks of `rows` consecutive tokens (a partial last block is left out) and the vocabulary
+    into tiles of `cols` classes (the last one may be partial), in two orders: the identity (class ids as they are)
+    and the vocabulary sorted by the batch's total probability mass, largest first. A row's mass in a pair is the
+    sum of its softmax over the tile's classes. For each order:
+
+      cold    fraction of pairs in which every row's mass is <= thresholds[0];
+      skip    for each threshold t, the fraction of pairs a backward could skip while each row's skipped mass, in
+              total over its block's skipped tiles, stays <= t: per block, tiles taken greedily in increasing order
+              of their largest row mass, as long as every row's running total stays within t.
+
+    Also the mean loss (when `target` is given) and the mean entropy, in nats. Float64 sums over float32 softmaxes
+    of `rows` rows at a time: the N x V logits never exist whole (memory O(rows x V)), so small N runs on a CPU.
+    """
+    N, V = x.shape[0], w.shape[0]
+    nb = N // rows
+    if nb < 1:
+        raise ValueError(f"skip_stats needs at least rows = {rows} tokens, got N = {N}")
+    T = -(-V // cols)
+    wf = w.float()
+    step = chunk_rows or rows
+
+    def softmax_block(i):
+        z = x[i:i + step].float() @ wf.T
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        return z, lse
+
+    loss = ent = 0.0
+    colmass = torch.zeros(V, dtype=torch.float64, device=x.device)
+    for i in range(0, nb * rows, step):
+        z, lse = softmax_block(i)
+        p = torch.exp(z - lse)
+        colmass += p.sum(0, dtype=torch.float64)
+        ent += (lse.squeeze(1).double() - (p.double() * z.double()).sum(-1)).sum().item()
+        if target is not None:
+            zt = z.gather(1, target[i:i + step].view(-1, 1).to(z.device))
+            loss += (lse - zt).double().sum().item()
+    n = nb * rows
+    perm = torch.argsort(colmass, descending=True)
+    pad = T * cols - V
+    acc = {o: {"cold": 0, "skip": [0] * len(thresholds)} for o in ("identity", "sorted")}
+    for b in range(nb):
+        z = x[b * rows:(b + 1) * rows].float() @ wf.T
+        p = torch.exp(z - torch.logsumexp(z, dim=-1, keepdim=True))
+        for order, q in (("identity", p), ("sorted", p[:, perm])):
+            if pad:
+                q = torch.nn.functional.pad(q, (0, pad))
+            m = q.view(rows, T, cols).sum(-1, dtype=torch.float64)  # (rows, T): each row's mass per tile
+            top = m.max(0).values
+            acc[order]["cold"] += int((top <= thresholds[0]).sum())
+            run = m[:, torch.argsort(top)].cumsum(1).max(0).values  # the worst row's running skipped mass
+            for k, t in enumerate(thresholds):
+                acc[order]["skip"][k] += int((run <= t).sum())
+    pairs = nb * T
+    out = {"N": n, "V": V, "rows": rows, "cols": cols, "thresholds": list(thresholds), "entropy": ent / n}
+    if target is not None:
+        out["loss"] = loss / n
+    for order, a in acc.items():
+        out[order] = {"cold": a["cold"] / pairs, "skip": [s / pairs for s in a["skip"]]}
+    return out
+
+
+def format_stats(s: dict) -> str:
+    """One line per order: the figures of skip_stats in percent."""
+    ts = "/".join(f"2^{round(math.log2(t))}" for t in s["thresholds"])
+    head = f"N={s['N']} V={s['V']} {s['rows']}x{s['cols']}: loss {s.get('loss', math.nan):.3f} entropy " \
+           f"{s['entropy']:.3f} nats"
+    lines = [head]
+    for order in ("identity", "sorted"):
+        o = s[order]
+        lines.append(f"  {order:8s} cold {100 * o['cold']:.1f}%  skip at {ts}: "
+                     + " / ".join(f"{100 * v:.1f}" for v in o["skip"]) + "%")
+    return "\n".join(lines)
