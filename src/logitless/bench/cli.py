@@ -189,7 +189,10 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
             else:
                 job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
             for s in job_shapes:
-                why = _real_refuses(s) if k == "real" else None
+                try:
+                    why = _real_refuses(s, args.data_file) if k == "real" else None
+                except (OSError, ValueError) as e:
+                    parser.error(f"--data-file: {e}")
                 if why:
                     skipped.append(f"skipped {job} {s.name} data=real: {why}")
                     continue
@@ -227,10 +230,13 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     return cases, chosen, opts
 
 
-def _real_refuses(s: C.Shape) -> str | None:
-    """Why real data cannot serve shape s (None when a model of the right vocabulary and D serves it)."""
+def _real_refuses(s: C.Shape, data_file) -> str | None:
+    """Why real data cannot serve shape s: the file's V, D and tokens, or the models' (None when it serves)."""
     from . import real
 
+    if data_file is not None:
+        src = data.real_source(s.V, data_file)
+        return real.serves(src["V"], src["D"], src["input"].shape[0], s.N, s.D, s.V)
     try:
         m = real.MODELS[real.model_for(s.V)]
     except ValueError as e:

@@ -33,7 +33,7 @@ LM = {
     # by peak * decay^k nats. Without them a row's tail is far colder than a real one's (the batch's mass beyond
     # the 10000 most likely classes would be 0.2%, not 0.8%).
     "K": 4, "peak": 20.0, "decay": 0.85, "zipf": 0.5,
-    "peak_ranks": 1.0,  # share of the ranks (most frequent first) the candidates are drawn from
+    "peak_ranks": 0.25,  # share of the ranks (most frequent first) the candidates are drawn from
     "topic": 0.0,  # share of a row's noise common to its document of `doc` tokens (0: rows independent)
     "doc": 1024,
     "id_noise": 1.55,  # class ids follow log-rank up to this much noise (Spearman about 0.45 between id and rank)
@@ -192,7 +192,7 @@ def uniform(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed:
 _loaded: dict = {}  # the last real-data file read: the cases of one run share it
 
 
-def _real_source(V: int, data_file=None, cache_dir=None) -> dict:
+def real_source(V: int, data_file=None, cache_dir=None) -> dict:
     """The prepared real data for vocabulary V: `data_file`, or the cache (prepared there on first use)."""
     from . import real
 
@@ -215,7 +215,7 @@ def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", see
     """A pretrained model's head on real text (see real.py): the first N tokens, lifted to D; V must be the model's."""
     from . import real
 
-    src = _real_source(V, data_file, cache_dir)
+    src = real_source(V, data_file, cache_dir)
     why = real.serves(src["V"], src["D"], src["input"].shape[0], N, D, V)
     if why:
         raise ValueError(f"shape (N={N}, D={D}, V={V}): {why}")

@@ -199,17 +199,26 @@ def prepare(model: str = DEFAULT_MODEL, tokens: int = 16384, out: str | os.PathL
     t = torch.cat(ts)[:tokens].contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     obj = {
-        "format": FORMAT, "model": model, "V": m.V, "D": m.D, "gguf": path.name,
+        "model": model, "V": m.V, "D": m.D, "gguf": path.name,
         "gguf_sha256": _sha256(path),
         "text": f"the Python {sys.version.split()[0]} standard library (docstrings and source of {len(used)} "
                 f"modules, windows of {window} tokens alternating prose and code)",
         "modules": used,
         "weight_q8": q, "weight_scale": scale, "input": x, "target": t,
     }
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, out)
-    return out
+    return write(out, obj)
+
+
+def write(path: str | os.PathLike, obj: dict) -> Path:
+    """Save a real-head dict (format, model, V, D, text, weight_q8, weight_scale, input, target) for `load`."""
+    missing = {"model", "V", "D", "text", "weight_q8", "weight_scale", "input", "target"} - set(obj)
+    if missing:
+        raise ValueError(f"a real-head file needs {', '.join(sorted(missing))}")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({**obj, "format": FORMAT}, tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def _sha256(path: Path) -> str:
