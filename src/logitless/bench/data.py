@@ -1,15 +1,14 @@
-"""Synthetic heads for tests and benchmarks: LM-like (peaked softmax, Zipf targets) and uniform (initialisation).
+"""Heads for tests and benchmarks: calibrated LM-like, uniform (initialisation), real (a pretrained model's).
 
-lm:      what a trained model's last layer looks like. Classifier rows W_j ~ N(0, 1/D) (unit norm on average).
-         Token frequencies follow Zipf's law (p(rank k) ~ 1/k^1.1) over a random permutation of the vocabulary.
-         Each hidden state is a weighted sum of the classifier rows of 16 distinct "plausible next tokens" drawn
-         from that Zipf law (weights falling linearly from 1 to 0.8). The overall scale is found by bisection
-         on a sample of rows so that the mean entropy of the softmax is `target_loss` nats (2.5 by default),
-         and each target is then sampled from that softmax (a calibrated model), so the expected loss is 2.5
-         nats too: most of each row's probability sits on a handful of tokens, and frequent tokens hold most of
-         the mass, as in a real LM.
+lm:      what a trained model's last layer looks like, calibrated on a real one (Gemma 3 270M on standard-library
+         text, docs/data.md): a prior shared by every row that falls with the class's frequency rank, a per-row
+         spread around it that also falls with the rank, a few rare classes each row finds plausible, class ids
+         loosely in frequency order; one temperature set for 2.0 nats of entropy, targets sampled from the
+         softmax. Its entropy, loss and skip statistics (skip_stats) are the real head's within a few points.
+lm-v1:   the previous generator: hidden states sums of 16 Zipf-drawn classifier rows, W ~ N(0, 1/D).
 uniform: the head at initialisation: hidden states ~ N(0, 1) (what RMSNorm produces), W ~ N(0, 0.02^2) (the usual
          initializer_range), uniform random targets. The softmax is near-uniform: loss ~ log V.
+real:    a pretrained model's head, hidden states and real next tokens (real.py), for the model's V only.
 """
 
 from __future__ import annotations
@@ -140,14 +139,16 @@ def lm_like(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed:
     # Targets drawn from a slightly flatter softmax than the head's: a real model is not perfectly calibrated on
     # the text it scores, its loss exceeds its entropy.
     t = _sample_targets(h / p["target_temp"], w, gen, max(1, (1 << 24) // V))
+    topic = f", topic share {p['topic']:g} per {int(p['doc'])} tokens" if p["topic"] > 0 else ""
     desc = (f"lm: logits = a prior by frequency rank + per-row noise, both as measured on a real model's head "
-            f"(docs/data.md), topic share {p['topic']:g} per {int(p['doc'])} tokens, x {scale:.3f} for "
+            f"(docs/data.md){topic}, x {scale:.3f} for "
             f"{target_loss:g} nats of entropy; targets sampled at temperature {p['target_temp']:g}")
     return Head(h.to(dtype), w.to(dtype), t, desc)
 
 
 def lm_like_v1(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0,
-            target_loss: float = 2.5, calib_rows: int = 256) -> Head:
+               target_loss: float = 2.5, calib_rows: int = 256) -> Head:
+    """The previous `lm` generator (its rows' tails spread evenly over the vocabulary: nothing skippable)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(V, D, device=device, generator=gen) / math.sqrt(D)
