@@ -2,12 +2,16 @@
 bench, and the `lm` generator's figures against those measured on a real model."""
 
 import math
+import os
 
 import pytest
 import torch
 
+import logitless
+from logitless import reference
 from logitless.bench import cli as bench_cli
 from logitless.bench import data, real
+from tests.helpers import check_against_truth
 
 
 def _brute_stats(z, target, rows, cols, thresholds):
@@ -196,3 +200,15 @@ def test_lm_generator_matches_the_real_head():
     for key in ("entropy", "loss"):
         lo, hi = REAL_256[key]
         assert lo - 0.3 <= s[key] <= hi + 0.3, (key, s[key])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [640, 2304])
+def test_gpu_real_head_within_the_rule(D):
+    # The fused head on Gemma 3 270M's real head, at its own D and lifted: loss and gradients within the rule.
+    path = os.environ.get("LOGITLESS_REAL_DATA")
+    if not path:
+        pytest.skip("LOGITLESS_REAL_DATA names no prepared real-head file (or folder of its parts)")
+    head = data.make_head("real", 1024, D, 262144, data_file=path, device="cuda")
+    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, head.input,
+                        head.weight, None, head.target, backend="triton")
