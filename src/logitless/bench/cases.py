@@ -34,6 +34,13 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt2": (8192, 768, 50257),
     # Small enough for a CPU; the float32 logits are still 65 MB, so the memory gap shows.
     "cpu-small": (512, 128, 32000),
+    # Real data (--data real): Gemma 3 270M's head at its own D and lifted to gemma2-2b's and llama3-8b's D;
+    # SmolLM2-135M's for a second vocabulary, and a CPU-sized cut of it.
+    "gemma3-d640": (8192, 640, 262144),
+    "gemma3-d2304": (8192, 2304, 262144),
+    "gemma3-d4096": (16384, 4096, 262144),
+    "smollm2-d576": (8192, 576, 49152),
+    "smollm2-cpu": (512, 576, 49152),
 }
 # What runs when no shape is named: the targets of the kernel work on a GPU, one small shape on a CPU.
 GPU_DEFAULT_PRESETS = {
@@ -42,6 +49,9 @@ GPU_DEFAULT_PRESETS = {
     "ce": ("llama3-8b", "gemma2-2b"),  # N x V = 16384 x 128256 and 8192 x 256000
 }
 CPU_DEFAULT_PRESETS = {job: ("cpu-small",) for job in JOBS}
+# Real data has the model's vocabulary: its cases use these shapes when none is named.
+REAL_GPU_PRESETS = ("gemma3-d640", "gemma3-d2304", "gemma3-d4096")
+REAL_CPU_PRESETS = ("smollm2-cpu",)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -99,18 +109,20 @@ def min_bytes(job: str, phase: str, s: Shape, dtype: str) -> float:
 
 
 class Heads:
-    """Synthetic heads built once per (data kind, shape, dtype) and shared by the jobs that use them."""
+    """Heads built once per (data kind, shape, dtype) and shared by the jobs that use them."""
 
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, data_file=None, cache_dir=None):
         self.device, self.seed = device, seed
+        self.real = {"data_file": data_file, "cache_dir": cache_dir}  # where --data real reads its head
         self._cache: dict[tuple, data.Head] = {}
 
     def get(self, kind: str, s: Shape, dtype: str) -> data.Head:
         key = (kind, s.N, s.D, s.V, dtype)
         if key not in self._cache:
             self._cache.clear()  # one head alive at a time: the large shapes are gigabytes
+            extra = self.real if kind == "real" else {}
             self._cache[key] = data.make_head(kind, s.N, s.D, s.V, dtype=DTYPES[dtype], device=self.device,
-                                              seed=self.seed)
+                                              seed=self.seed, **extra)
         return self._cache[key]
 
 

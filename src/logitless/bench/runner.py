@@ -33,6 +33,9 @@ class Options:
     time_failing: bool = False
     seed: int = 0
     progress: bool = True
+    data_file: str | None = None  # --data real: the prepared file (or its parts)
+    cache_dir: str | None = None  # --data real without a file: where it is prepared and kept
+    skipped: list[str] = field(default_factory=list)  # cases left out because their data cannot serve them
 
 
 @dataclass
@@ -100,7 +103,7 @@ def ours_name(job: str, device: torch.device) -> str:
 
 def run(cases: list[C.Case], providers: list[Provider], opts: Options, log=print) -> Run:
     device = opts.device
-    heads = C.Heads(device, opts.seed)
+    heads = C.Heads(device, opts.seed, opts.data_file, opts.cache_dir)
     work = []  # (case, providers that can run it)
     unavailable: dict[str, str] = {}
     for case in cases:
@@ -123,7 +126,15 @@ def run(cases: list[C.Case], providers: list[Provider], opts: Options, log=print
     for i in order:
         case, ps = work[i]
         s = case.shape
-        head = heads.get(case.data, s, case.dtype)
+        try:
+            head = heads.get(case.data, s, case.dtype)
+        except Exception as e:  # noqa: BLE001 - e.g. real data that is missing or has too few tokens
+            msg = f"data {case.data} unavailable: {_short(e)}"
+            log(f"{case.label}: {msg}")
+            results += [Result(case, p.name, "OOM" if _is_oom(e) else "error", msg) for p in ps]
+            bar.update(len(ps))
+            _free(device)
+            continue
         if case.data not in data_desc:
             data_desc[case.data] = head.description
             log(f"data {head.description}")
