@@ -37,12 +37,14 @@ NOT_DIFFERENTIABLE = ("logitless: the gradients of its ops (linear_cross_entropy
 
 
 class _NotDifferentiable(torch.autograd.Function):
-    """Identity on a backward's results; differentiating through it raises NOT_DIFFERENTIABLE. `anchor` (a tensor
-    that requires grad) only puts the results in the graph, so that the error comes when they are differentiated."""
+    """Identity on a backward's results; differentiating through it raises NOT_DIFFERENTIABLE. The first
+    `n_anchors` arguments (tensors that require grad) only put the results in the graph, so that the error comes when
+    they are differentiated, with respect to any of them (with one anchor, a gradient asked for with respect to
+    another input would not reach this node, and PyTorch would say that input "appears to not have been used")."""
 
     @staticmethod
-    def forward(ctx, anchor, *outs):
-        return tuple(o.view_as(o) for o in outs)
+    def forward(ctx, n_anchors, *args):
+        return tuple(o.view_as(o) for o in args[n_anchors:])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -66,7 +68,7 @@ def first_order_only(backward):
         idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
         if not anchors or not idx:
             return outs
-        attached = _NotDifferentiable.apply(anchors[0], *(outs[i] for i in idx))
+        attached = _NotDifferentiable.apply(len(anchors), *anchors, *(outs[i] for i in idx))
         outs = list(outs)
         for i, o in zip(idx, attached, strict=True):
             outs[i] = o
@@ -186,8 +188,10 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
     return m, logs, zt, sw, ref, ent
 
 
-def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
-    """dL/dz for one block: p (A + B (z - m)) - C [j == t] - E w. z is modified in place into the result."""
+def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c, X_c=None):
+    """dL/dz for one block: p (A + B (z - m)) - C [j == t] - E w. With X_c (ce_backward_coef(with_excess=True)), the
+    target's column is p_t X + (p_t - 1) C, C then standing for C + E w_t: where p_t rounds to 1 (one class, a
+    confident row), p_t A - C - E w_t would lose the z-loss term in the cancellation."""
     p = torch.exp((z - m_c[:, None]) - logs_c[:, None])
     if B_c is not None:
         dz = p * (A_c[:, None] + B_c[:, None] * (z - m_c[:, None]))
@@ -198,25 +202,33 @@ def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
         dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
     if C_c is not None:
         inside = (t_c >= v0) & (t_c < v1)
-        idx = (t_c - v0).clamp(0, v1 - v0 - 1)
-        dz.scatter_add_(1, idx[:, None], torch.where(inside, -C_c, torch.zeros_like(C_c))[:, None])
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
+        if X_c is None:
+            dz.scatter_add_(1, idx, torch.where(inside, -C_c, torch.zeros_like(C_c))[:, None])
+        else:
+            p_t = torch.exp((z.gather(1, idx)[:, 0] - m_c) - logs_c)
+            d_t = p_t * X_c + (p_t - 1.0) * C_c
+            dz.scatter_(1, idx, torch.where(inside, d_t, dz.gather(1, idx)[:, 0])[:, None])
     return dz
 
 
-def _chain_transform(dz, z, softcap, inv_temp):
-    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `z` is the transformed logit block."""
+def _chain_transform(dz, raw, softcap, inv_temp):
+    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `raw` is the logit block before the transform."""
     if inv_temp != 1.0:
         dz = dz * inv_temp
     if softcap is not None:
-        capped = z / inv_temp if inv_temp != 1.0 else z
-        dz = dz * (1.0 - (capped / softcap) ** 2)
+        # d(softcap tanh(u))/du = 1 / cosh(u)^2 with u = raw / softcap, accurate to a few ulp also where tanh
+        # saturates (1 - tanh(u)^2 cancels there: 60x PyTorch's float32 error); cosh overflows to inf past
+        # |u| ~ 44, where the true factor is below float32's smallest normal number anyway.
+        dz = dz / torch.cosh(raw / softcap).square()
     return dz
 
 
 def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs):
     """Gradients of a linear head given per-row coefficients coef = (A, B, C, E). Vocab-outer, so each chunk of
     dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks."""
-    A, B, C, E = coef
+    A, B, C, E, *excess = coef  # and X = A - C, for cross-entropy (_dz_chunk)
+    X = excess[0] if excess else None
     n, D = x.shape
     V = w.shape[0]
     need_x, need_w, need_b = needs
@@ -236,13 +248,14 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
             z = x_c @ w_c.T
             if b_c is not None:
                 z += b_c
-            z = _transform(z, softcap, inv_temp)
+            raw, z = z, _transform(z, softcap, inv_temp)
             sl = slice(i0, i1)
             dz = _dz_chunk(
                 z, m[sl], logs[sl], A[sl], None if B is None else B[sl], None if C is None else C[sl],
                 None if E is None else E[sl], None if target is None else target[sl], v0, v1, cw_c,
+                None if X is None else X[sl],
             )
-            dz = _chain_transform(dz, z, softcap, inv_temp)
+            dz = _chain_transform(dz, raw, softcap, inv_temp)
             if need_x:
                 dx[sl] += dz @ w_c
             if need_w:
@@ -288,15 +301,22 @@ def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing,
     return torch.where(valid, loss, 0.0)
 
 
-def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V):
-    """(A, B, C, E) of dL/dz = p (A + B (z - m)) - C [j == t] - E w for the cross-entropy loss, upstream `grad`."""
+def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V, with_excess=False):
+    """(A, B, C, E) of dL/dz = p (A + B (z - m)) - C [j == t] - E w for the cross-entropy loss, upstream `grad`.
+    with_excess: (A, B, C + E w_t, E, X) for _dz_chunk's target column, X = E (W - w_t) + 2 g z_loss lse computed
+    apart (W = w_sum), so that it survives where p_t rounds to 1."""
     eps = float(label_smoothing)
     g = torch.where(valid, grad.to(lse.dtype), torch.zeros_like(lse))
     C = g * (1.0 - eps) * w_t
     A = C + g * (eps / V) * w_sum
+    X = g * (eps / V) * (w_sum - w_t)
     if z_loss > 0.0:
-        A = A + g * (2.0 * z_loss) * lse
+        zl = g * (2.0 * z_loss) * lse
+        A = A + zl
+        X = X + zl
     E = g * (eps / V) if eps > 0.0 else None
+    if with_excess:
+        return A, None, (C if E is None else C + E * w_t), E, X
     return A, None, C, E
 
 
@@ -340,7 +360,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         V = w.shape[0]
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
-        coef = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        coef = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V, with_excess=True)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         dx, dw, db = _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, 1.0, needs)
         return dx, dw, db, None, None, None, None, None, None
@@ -447,15 +467,17 @@ class _CrossEntropy(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
-        A, B, C, E = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        A, B, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V,
+                                         with_excess=True)
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in _chunks(n, _token_chunk(V)):
             sl = slice(i0, i1)
             for v0, v1 in _chunks(V, _VOCAB_CHUNK):
-                z = _transform(logits[sl, v0:v1].to(m.dtype), softcap, 1.0)
+                raw = logits[sl, v0:v1].to(m.dtype)
+                z = _transform(raw, softcap, 1.0)
                 dz = _dz_chunk(z, m[sl], logs[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl],
-                               v0, v1, None if class_w is None else class_w[v0:v1])
-                grad[sl, v0:v1] = _chain_transform(dz, z, softcap, 1.0)
+                               v0, v1, None if class_w is None else class_w[v0:v1], X[sl])
+                grad[sl, v0:v1] = _chain_transform(dz, raw, softcap, 1.0)
         return grad, None, None, None, None, None, None, None
 
 
@@ -467,9 +489,28 @@ def _class_weight_acc(weight, dtype):
     return None if weight is None else weight.to(_acc(dtype))
 
 
+def one_class_logits(args, softcap, inv_temp):
+    """(N,) logits of a head with a single class (V = 1), through differentiable PyTorch ops. With one class the
+    softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0 (only the
+    z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. N values: nothing to chunk."""
+    acc = _acc(args.x.dtype)
+    z = args.x.to(acc) @ args.weight[0].to(acc)
+    if args.bias is not None:
+        z = z + args.bias[0].to(acc)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z * inv_temp if inv_temp != 1.0 else z
+
+
 def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap):
     """PyTorch path on validated arguments (see linear_cross_entropy)."""
     class_w = _class_weight_acc(weight, args.x.dtype)
+    if args.weight.shape[0] == 1:
+        z = one_class_logits(args, softcap, 1.0)
+        valid, w_t, _ = ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
+        per_token = torch.where(valid, z * z * float(z_loss), 0.0)  # (lse - z_t) and smoothing are exactly 0
+        return reduce_loss(per_token, valid, w_t, reduction, args.lead_shape)
     per_token, _ = _LinearCrossEntropy.apply(
         args.x, args.weight, args.bias, args.target, class_w, ignore_index, float(label_smoothing), float(z_loss),
         None if softcap is None else float(softcap),
@@ -482,6 +523,7 @@ def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, so
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """Chunked PyTorch twin of :func:`logitless.linear_cross_entropy`."""
+    _validate.check_no_transform("reference.linear_cross_entropy")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
@@ -491,6 +533,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
 
 
 def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
+    if args.weight.shape[0] == 1:
+        zero = one_class_logits(args, softcap, 1.0 / float(temperature)) * 0.0  # log 1 = 0, and no entropy
+        logp = torch.where(args.target != ignore_index, zero, 0.0).reshape(args.lead_shape)
+        return (logp, logp.clone()) if return_entropy else logp
     logp, ent, _ = _LinearLogProbs.apply(
         args.x, args.weight, args.bias, args.target, ignore_index, None if softcap is None else float(softcap),
         1.0 / float(temperature), bool(return_entropy),
@@ -504,6 +550,7 @@ def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
                      ignore_index=-100, return_entropy=False):
     """Chunked PyTorch twin of :func:`logitless.linear_log_probs`."""
+    _validate.check_no_transform("reference.linear_log_probs")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
@@ -512,6 +559,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
 
 
 def logsumexp_torch(args, softcap, temperature):
+    if args.weight.shape[0] == 1:
+        return one_class_logits(args, softcap, 1.0 / float(temperature)).reshape(args.lead_shape)
     lse = _LinearLogSumExp.apply(args.x, args.weight, args.bias, None if softcap is None else float(softcap),
                                  1.0 / float(temperature))
     return lse.reshape(args.lead_shape)
@@ -519,6 +568,7 @@ def logsumexp_torch(args, softcap, temperature):
 
 def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0):
     """Chunked PyTorch twin of :func:`logitless.linear_logsumexp`."""
+    _validate.check_no_transform("reference.linear_logsumexp")
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
     return logsumexp_torch(args, softcap, temperature)
@@ -538,6 +588,7 @@ def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_
 def cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
                   z_loss=0.0, softcap=None, inplace_backward=False, return_lse=False):
     """Chunked PyTorch twin of :func:`logitless.cross_entropy` (`return_lse` gives a plain (loss, lse) tuple)."""
+    _validate.check_no_transform("reference.cross_entropy")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
