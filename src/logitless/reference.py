@@ -503,6 +503,20 @@ def one_class_logits(args, softcap, inv_temp):
     return z * inv_temp if inv_temp != 1.0 else z
 
 
+def _no_autocast(fn):
+    """The PyTorch path computes in the inputs' dtypes (float32 math), as the Triton kernels do: autocast, which
+    would run its chunks' products in bfloat16, is off inside (the backward runs without it anyway)."""
+
+    @functools.wraps(fn)
+    def wrapper(args, *rest, **kw):
+        x = args if isinstance(args, torch.Tensor) else args.x
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(args, *rest, **kw)
+
+    return wrapper
+
+
+@_no_autocast
 def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap):
     """PyTorch path on validated arguments (see linear_cross_entropy)."""
     class_w = _class_weight_acc(weight, args.x.dtype)
@@ -532,6 +546,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     return lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
 
 
+@_no_autocast
 def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
     if args.weight.shape[0] == 1:
         zero = one_class_logits(args, softcap, 1.0 / float(temperature)) * 0.0  # log 1 = 0, and no entropy
@@ -558,6 +573,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
     return log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
 
 
+@_no_autocast
 def logsumexp_torch(args, softcap, temperature):
     if args.weight.shape[0] == 1:
         return one_class_logits(args, softcap, 1.0 / float(temperature)).reshape(args.lead_shape)
@@ -574,6 +590,7 @@ def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, te
     return logsumexp_torch(args, softcap, temperature)
 
 
+@_no_autocast
 def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
                         softcap, return_lse=False, inplace_backward=False):
     class_w = _class_weight_acc(weight, logits2d.dtype)
