@@ -270,8 +270,13 @@ def test_fuzz_regressions(case):
 def test_fuzz_long():
     """Fresh random examples (not derandomized) in rounds of SLOW_SETTINGS' count until the time is up."""
     deadline = time.monotonic() + 60 * float(os.environ["LOGITLESS_FUZZ_MINUTES"])
-    rounds = 0
+    rounds, failures = 0, []
     while time.monotonic() < deadline:
-        SLOW_SETTINGS(given(case=cases())(_check))()
+        try:
+            SLOW_SETTINGS(given(case=cases())(_check))()
+        except AssertionError as e:  # the round's minimal failing case; the next rounds go on looking
+            failures.append(str(e).split("Falsifying example")[0].strip())
+            print(failures[-1], flush=True)
         rounds += 1
-    print(f"{rounds} rounds of {SLOW_SETTINGS.max_examples} examples")
+    print(f"{rounds} rounds of up to {SLOW_SETTINGS.max_examples} examples, {len(failures)} failed", flush=True)
+    assert not failures, "\n\n".join(failures)
