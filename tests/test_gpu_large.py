@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 
 BF16_BOUND = 2.0**-7
 INT31 = 2**31
+DEV = "cuda"
 
 
 class _Err:
@@ -32,7 +33,7 @@ class _Err:
         self.den = 0.0
 
     def add(self, a: torch.Tensor, truth: torch.Tensor) -> None:
-        self.num += float((a.double() - truth).square().sum())
+        self.num += float((a.detach().double() - truth).square().sum())
         self.den += float(truth.square().sum())
 
     def value(self) -> float:
@@ -52,11 +53,11 @@ def _ce_truth(z64, t, up, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, so
 @pytest.mark.parametrize("inplace", (False, True))
 def test_cross_entropy_past_2_31_elements(n, v, inplace):
     assert n * v > INT31
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    z = (torch.randn(n, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    z = (torch.randn(n, v, device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device=DEV, generator=gen)
     t[::7] = -100
-    up = torch.randn(n, device="cuda", generator=gen)
+    up = torch.randn(n, device=DEV, generator=gen)
     opts = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
     zo = z.clone().requires_grad_(True)  # in place, zo is overwritten and z keeps the logits
     loss = logitless.cross_entropy(zo, t, reduction="none", inplace_backward=inplace, backend="triton", **opts)
@@ -109,13 +110,13 @@ CASES = [
 @pytest.mark.parametrize("op", ("linear_cross_entropy", "linear_log_probs", "linear_logsumexp"))
 def test_linear_ops_past_2_31_elements(N, D, V, op):
     assert max(N * D, V * D, N * V) > INT31
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(N, D, device="cuda", generator=gen).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=gen) / D**0.5).to(torch.bfloat16)
-    b = (torch.randn(V, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-    t = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(N, D, device=DEV, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(V, D, device=DEV, generator=gen) / D**0.5).to(torch.bfloat16)
+    b = (torch.randn(V, device=DEV, generator=gen) * 0.1).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device=DEV, generator=gen)
     t[::5] = -100
-    up = torch.randn(N, device="cuda", generator=gen, dtype=torch.float64)
+    up = torch.randn(N, device=DEV, generator=gen, dtype=torch.float64)
     xo, wo, bo = (a.clone().requires_grad_(True) for a in (x, w, b))
     if op == "linear_cross_entropy":
         kw = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
@@ -167,7 +168,7 @@ SMALL = [(1, 1), (1, 7), (0, 7), (0, 1)]
 @pytest.mark.parametrize("n,v", SMALL)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_gpu_one_element_and_empty(n, v, dtype):
-    x, w, b, t = (None if a is None else a.cuda() for a in make_case(dtype, n=n, d=16, v=v, bias=True,
+    x, w, b, t = (None if a is None else a.to(DEV) for a in make_case(dtype, n=n, d=16, v=v, bias=True,
                                                                       ignore_frac=0.0))
     from tests.helpers import check_against_truth
 
