@@ -254,6 +254,9 @@ REGRESSIONS = [
     # a saturated softcap: 1 - tanh^2 cancelled (20x PyTorch's float32 error)
     dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=30.0, softcap=5.0,
          ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=0),
+    # an unsaturated softcap: 1 / cosh^2 instead of PyTorch's 1 - tanh^2 made one cancelling sum 5x PyTorch's error
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=4.0, softcap=0.5,
+         ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=1),
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
