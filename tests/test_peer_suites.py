@@ -13,6 +13,7 @@ logitless refuses the input clearly; docs/peers.md lists every difference.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -23,6 +24,15 @@ import logitless
 from tests.helpers import assert_within_rule
 
 BACKENDS = ("torch", "triton")
+
+
+def _both(cases, on_triton):
+    """pytest params (backend, *case): every case on the PyTorch path, and those `on_triton(case)` picks through
+    the Triton kernels too (the interpreter costs seconds per case on CPU: a covering subset, every option value at
+    least once)."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    return ([pytest.param("torch", *c, id=f"torch-{i}") for i, c in enumerate(cases)]
+            + [pytest.param("triton", *c, id=f"triton-{i}") for i, c in enumerate(cases) if on_triton(c)])
 
 
 def _leaves(*ts):
@@ -79,8 +89,7 @@ def _samples(name, dtype):
     return list(getattr(cmi, name)(None, "cpu", dtype, requires_grad=False))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend,dtype", _both(DTYPES, lambda c: c[0] == torch.float32))
 def test_pytorch_linear_cross_entropy_samples(backend, dtype):
     compared = refused = 0
     for s in _samples("sample_inputs_linear_cross_entropy", dtype):
@@ -111,8 +120,7 @@ def test_pytorch_linear_cross_entropy_samples(backend, dtype):
     assert compared >= 20 and refused >= 10, (compared, refused)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend,dtype", _both(DTYPES, lambda c: c[0] == torch.float32))
 def test_pytorch_cross_entropy_samples(backend, dtype):
     compared = refused = 0
     for s in _samples("sample_inputs_cross_entropy", dtype):
@@ -185,11 +193,14 @@ def _liger_targets(n, v, ignore_index, gen):
 LIGER_OPTIONS = [(False, 0.0, -100, 0.0, None), (True, 0.1, 42, 1e-4, 30.0)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("bias", (True, False))
-@pytest.mark.parametrize("options", LIGER_OPTIONS, ids=("defaults", "all-options"))
+LIGER_FLCE_CASES = list(itertools.product(("mean", "sum", "none"), (torch.bfloat16, torch.float32), (True, False),
+                                         LIGER_OPTIONS))
+LIGER_FLCE_TRITON = {("mean", torch.bfloat16, True, LIGER_OPTIONS[1]), ("sum", torch.float32, False, LIGER_OPTIONS[0]),
+                     ("none", torch.bfloat16, False, LIGER_OPTIONS[1]), ("none", torch.float32, True, LIGER_OPTIONS[0])}
+
+
+@pytest.mark.parametrize("backend,reduction,dtype,bias,options",
+                         _both(LIGER_FLCE_CASES, lambda c: c in LIGER_FLCE_TRITON))
 def test_liger_fused_linear_cross_entropy(backend, reduction, dtype, bias, options):
     # B, T, H, V = 4, 47, 31, 123 (Liger's odd shape); weights uniform in [0, 1) as Liger draws them.
     has_w, ls, ii, z, softcap = options
@@ -269,9 +280,15 @@ LIGER_CE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("case", LIGER_CE_CASES, ids=[str(i) for i in range(len(LIGER_CE_CASES))])
+# Through the Triton kernels: plain, ignore_index inside the vocabulary, smoothing, softcap, z-loss (alone and with
+# everything), class weights (alone and with everything), in alternating dtypes.
+LIGER_CE_TRITON = {0, 3, 5, 7, 8, 10, 11, 14}
+
+
+@pytest.mark.parametrize("backend,dtype,case", _both(
+    [(dt, c) for i, c in enumerate(LIGER_CE_CASES) for dt in (torch.bfloat16, torch.float32)],
+    lambda c: LIGER_CE_CASES.index(c[1]) in LIGER_CE_TRITON
+    and c[0] == (torch.bfloat16, torch.float32)[LIGER_CE_CASES.index(c[1]) % 2]))
 def test_liger_cross_entropy(backend, dtype, case):
     reduction, scale, ii, ls, zl, softcap, has_w = case
     gen = torch.Generator().manual_seed(2)
@@ -338,8 +355,7 @@ CCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CCE_CASES, ids=[str(i) for i in range(len(CCE_CASES))])
+@pytest.mark.parametrize("backend,case", _both([(c,) for c in CCE_CASES], lambda c: CCE_CASES.index(c[0]) in (2, 3)))
 def test_cce_forward_backward(backend, case):
     shape, dtype, softcap, bias, shift, invalids, reduction = case
     e, c, b, t = _cce_inputs(shape, dtype, bias, invalids)
@@ -358,8 +374,8 @@ def test_cce_forward_backward(backend, case):
     _rule_with_grads("cce", run, [e, c, b])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("wanted", [(True, False, True), (False, True, False), (False, False, True)])
+@pytest.mark.parametrize("backend,wanted", _both([((True, False, True),), ((False, True, False),),
+                                                  ((False, False, True),)], lambda c: c[0] == (True, False, True)))
 def test_cce_partial_gradients(backend, wanted):
     # Only the tensors that require grad get a gradient (CCE's test_loss_partials).
     e, c, b, t = _cce_inputs((256, 512, 128), torch.bfloat16, True, False)
