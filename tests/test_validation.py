@@ -189,3 +189,151 @@ def test_gradients_are_not_differentiable(backend, inplace):
         assert torch.equal(g.detach(), plain)
         with pytest.raises(RuntimeError, match="not differentiable"):
             g.sum().backward()
+
+
+# Options are used as float32 numbers: values that float32 cannot hold as normal numbers would be inf (softcap=1e300
+# gave a NaN loss), 0, or a float64 kernel argument (label_smoothing=1e-40 broke the interpreter with bf16).
+F32_RANGE_CASES = [
+    ("softcap", 1e300), ("softcap", 1e-40), ("z_loss", 1e300), ("z_loss", 1e-40), ("label_smoothing", 1e-40),
+    ("temperature", 1e300), ("temperature", 1e-40), ("temperature", 1e-38),  # 1 / 1e-38 overflows float32
+]
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("name,value", F32_RANGE_CASES)
+def test_options_outside_float32_are_refused(backend, name, value):
+    x, w, t = (a.bfloat16() if a.is_floating_point() else a for a in base())
+    ops = []
+    if name != "temperature":
+        ops += [lambda: logitless.linear_cross_entropy(x, w, t, backend=backend, **{name: value}),
+                lambda: logitless.cross_entropy(x @ w.T, t, backend=backend, **{name: value})]
+    if name in ("softcap", "temperature"):
+        ops += [lambda: logitless.linear_log_probs(x, w, t, backend=backend, **{name: value}),
+                lambda: logitless.linear_logsumexp(x, w, backend=backend, **{name: value})]
+    for op in ops:
+        with pytest.raises(ValueError, match=f"{name} must be .*float32"):
+            op()
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_options_at_the_float32_limits_work(backend):
+    # The largest and smallest accepted values give the float64 answer: a softcap of 3e38 caps nothing.
+    x, w, t = base()
+    want = logitless.linear_cross_entropy(x.double(), w.double(), t, backend="torch")
+    got = logitless.linear_cross_entropy(x, w, t, softcap=3e38, z_loss=1.2e-38, label_smoothing=1.2e-38,
+                                         backend=backend)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+
+
+def _transforms():
+    f = torch.func
+    return {
+        "grad": lambda fn, a: f.grad(lambda a: fn(a).sum())(a),
+        "vjp": lambda fn, a: f.vjp(fn, a)[1](torch.ones(())),
+        "jvp": lambda fn, a: f.jvp(fn, (a,), (torch.ones_like(a),)),
+        "vmap": lambda fn, a: f.vmap(fn)(a.unsqueeze(0).expand(2, *a.shape)),
+        "jacrev": lambda fn, a: f.jacrev(fn)(a),
+        "jacfwd": lambda fn, a: f.jacfwd(fn)(a),
+        "functionalize": lambda fn, a: f.functionalize(fn)(a),
+    }
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("transform", list(_transforms()))
+def test_func_transforms_are_refused_clearly(backend, transform):
+    # Each op's backward is hand-written (no forward-mode or batching rule): a transform raises an error naming it,
+    # on both backends; jvp through the Triton path used to return a zero tangent.
+    x, w, t = base()
+    run = _transforms()[transform]
+    ops = {
+        "linear_cross_entropy": (lambda a: logitless.linear_cross_entropy(a, w, t, backend=backend), x),
+        "linear_log_probs": (lambda a: logitless.linear_log_probs(a, w, t, backend=backend).sum(), x),
+        "linear_logsumexp": (lambda a: logitless.linear_logsumexp(a, w, backend=backend).sum(), x),
+        "cross_entropy": (lambda a: logitless.cross_entropy(a, t, backend=backend), x @ w.T),
+        "reference.cross_entropy": (lambda a: logitless.reference.cross_entropy(a, t), x @ w.T),
+    }
+    for name, (fn, arg) in ops.items():
+        with pytest.raises(RuntimeError, match=rf"logitless\.{name} does not support torch\.func\.") as info:
+            run(fn, arg)
+        assert transform in str(info.value) or transform in ("jacrev", "jacfwd")  # those are vjp/jvp under vmap
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_functional_call(backend):
+    # torch.func.functional_call (swapping a module's parameters, as meta-learning and EMA code do) is no transform:
+    # the loss and its gradients are those of a module holding the swapped parameters.
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(D, D)
+            self.lm_head = torch.nn.Linear(D, V)
+
+        def forward(self, h, t):
+            return logitless.linear_cross_entropy(torch.tanh(self.proj(h)), self.lm_head.weight, t,
+                                                  linear_bias=self.lm_head.bias, backend=backend)
+
+    torch.manual_seed(0)
+    model, other = Head(), Head()
+    x, _, t = base()
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in other.named_parameters()}
+    loss = torch.func.functional_call(model, params, (x, t))
+    got = torch.autograd.grad(loss, list(params.values()))
+    want_loss = other(x, t)
+    want = torch.autograd.grad(want_loss, list(other.parameters()))
+    torch.testing.assert_close(loss, want_loss)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_float64_class_weights_with_float32_input(backend):
+    # Accepted on purpose, unlike F.cross_entropy (which raises for float64 weights with float32 logits): class
+    # weights are converted to the float32 math (float64 for float64 input), so any floating dtype gives the result
+    # of the float32 weights.
+    x, w, t = base()
+    cw = torch.rand(V, dtype=torch.float64) + 0.5
+    for dtype in (torch.float64, torch.float16):
+        got = logitless.linear_cross_entropy(x, w, t, weight=cw.to(dtype), backend=backend)
+        assert torch.equal(got, logitless.linear_cross_entropy(x, w, t, weight=cw.to(dtype).float(), backend=backend))
+        got = logitless.cross_entropy(x @ w.T, t, weight=cw.to(dtype), backend=backend)
+        assert torch.equal(got, logitless.cross_entropy(x @ w.T, t, weight=cw.to(dtype).float(), backend=backend))
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("inplace", (False, True))
+def test_one_class_with_strided_class_dimension(backend, inplace):
+    # (N, 1) logits whose class stride is not 1 (a transposed (1, N) tensor): contiguous() keeps such a stride, and
+    # the Triton launcher used to fail a bare assertion. The stride of a dimension of size 1 means nothing.
+    from tests.helpers import check_cross_entropy
+
+    t = torch.tensor([0, 0, -100, 0, 0, 0])
+    for z, tt in (((torch.randn(1, 6) * 3).T, t), (torch.empty_strided((0, 1), (1, 5)), t[:0])):
+        assert z.stride(1) != 1
+        check_cross_entropy(z, tt, backend, z_loss=1e-3)  # under the error rule
+        grads = []
+        for ip in (False, inplace):
+            zo = z.clone().requires_grad_(True)
+            logitless.cross_entropy(zo, tt, z_loss=1e-3, inplace_backward=ip, backend=backend).backward()
+            grads.append(zo.grad)
+        assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_double_backward_names_logitless_for_every_input(backend):
+    # Differentiating the input's gradient with respect to the weight (not the input) also raises logitless's
+    # message; on the PyTorch path it used to be PyTorch's "appears to not have been used in the graph".
+    x, w, t = base()
+    b = torch.zeros(V, requires_grad=True)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    for op in (lambda: logitless.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, z_loss=1e-3),
+               lambda: logitless.linear_logsumexp(x, w, linear_bias=b, backend=backend).sum()):
+        (gx,) = torch.autograd.grad(op(), x, create_graph=True)
+        for wrt in (w, b):
+            with pytest.raises(RuntimeError, match="not differentiable"):
+                torch.autograd.grad(gx.sum(), wrt)
+    z = (x @ w.T).detach().requires_grad_(True)
+    s = torch.ones((), requires_grad=True)
+    (gz,) = torch.autograd.grad(logitless.cross_entropy(z, t, backend=backend) * s, z, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(gz.sum(), s)

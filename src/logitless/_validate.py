@@ -42,6 +42,23 @@ def _check_float_tensor(name: str, t, allow_dtypes=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} must have a floating dtype ({names}), got {t.dtype}")
 
 
+# The options are used in float32 arithmetic (and handed to the kernels as float32 scalars): a value that float32
+# cannot hold as a normal number would become inf or 0 there (softcap=1e300: a NaN loss), or a float64 kernel
+# argument (label_smoothing=1e-40), so it is refused instead.
+F32_MAX = float(torch.finfo(torch.float32).max)
+F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, 2**-126
+
+
+def _check_float_option(name: str, value) -> float:
+    if isinstance(value, (torch.Tensor, bool)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    v = float(value)
+    if v != 0.0 and not F32_TINY <= abs(v) <= F32_MAX:
+        raise ValueError(f"{name} must be 0 or a number that float32 holds as a normal number ({F32_TINY:.3g} to "
+                         f"{F32_MAX:.3g} in magnitude: the math is float32), got {value}")
+    return v
+
+
 def check_options(
     *,
     reduction: str | None = None,
@@ -54,27 +71,58 @@ def check_options(
     if reduction is not None and reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if label_smoothing is not None:
-        if isinstance(label_smoothing, (torch.Tensor, bool)) or not isinstance(label_smoothing, (int, float)):
-            raise TypeError(f"label_smoothing must be a Python float, got {type(label_smoothing).__name__}")
-        if not 0.0 <= float(label_smoothing) <= 1.0:
+        if not 0.0 <= _check_float_option("label_smoothing", label_smoothing) <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if z_loss is not None:
-        if isinstance(z_loss, (torch.Tensor, bool)) or not isinstance(z_loss, (int, float)):
-            raise TypeError(f"z_loss must be a Python float, got {type(z_loss).__name__}")
-        if not float(z_loss) >= 0.0:
+        if not _check_float_option("z_loss", z_loss) >= 0.0:
             raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if softcap is not None:
         if isinstance(softcap, (torch.Tensor, bool)) or not isinstance(softcap, (int, float)):
             raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
         if not float(softcap) > 0.0 or softcap == float("inf"):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+        _check_float_option("softcap", softcap)
     if temperature is not None:
         if isinstance(temperature, (torch.Tensor, bool)) or not isinstance(temperature, (int, float)):
             raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
         if not float(temperature) > 0.0 or temperature == float("inf"):
             raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+        # The logits are multiplied by 1 / temperature: both must be normal float32 numbers.
+        _check_float_option("temperature", temperature)
+        if not F32_TINY <= 1.0 / float(temperature) <= F32_MAX:
+            raise ValueError(f"temperature must be a positive number whose reciprocal float32 holds as a normal "
+                             f"number ({1.0 / F32_MAX:.3g} to {1.0 / F32_TINY:.3g}), got {temperature}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+_TRANSFORM_NAMES = {
+    "Grad": "torch.func.grad (or vjp, jacrev, hessian)",
+    "Jvp": "torch.func.jvp (or jacfwd, hessian)",
+    "Vmap": "torch.func.vmap (or jacrev, jacfwd)",
+    "Functionalize": "torch.func.functionalize",
+}
+
+
+def check_no_transform(op: str) -> None:
+    """Raise a clear error inside a torch.func transform. Each op's backward is written by hand (an autograd.Function
+    or a torch.library op), with no forward-mode, batching or functional rule: left alone, PyTorch raises a generic
+    error for some transforms and, for jvp through a torch.library op, silently returns a zero tangent. Ordinary
+    autograd (loss.backward(), torch.autograd.grad) and torch.func.functional_call are unaffected."""
+    if _is_compiling():
+        return
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    if peek is None or peek() is None:
+        return
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    key = retrieve_current_functorch_interpreter().key()
+    name = _TRANSFORM_NAMES.get(getattr(key, "name", ""), f"the torch.func transform {key}")
+    raise RuntimeError(
+        f"logitless.{op} does not support {name}: its gradients are computed by a hand-written backward that "
+        "torch.func transforms cannot trace. Use loss.backward() or torch.autograd.grad (a loop over the batch "
+        "instead of vmap); torch.func.functional_call works."
+    )
 
 
 def ignore_index_arg(ignore_index) -> int:

@@ -153,12 +153,22 @@ def _cross_entropy_triton(logits2d, target, weight, reduction, ignore_index, lab
     if logits2d.dtype not in _validate.KERNEL_DTYPES:
         raise TypeError(f"cross_entropy: the Triton kernels take float32, bfloat16 or float16 logits, got "
                         f"{logits2d.dtype}; use backend='torch'")
-    if logits2d.stride(1) != 1:
-        logits2d = logits2d.contiguous()  # the kernels read rows with unit stride
+    logits2d = unit_class_stride(logits2d)  # the kernels read rows with unit stride
     class_w = None if weight is None else weight.to(torch.float32).contiguous()
     return _TritonCrossEntropy.apply(logits2d, target, class_w, reduction, ignore_index,
                                      float(label_smoothing), float(z_loss),
                                      None if softcap is None else float(softcap), bool(inplace))
+
+
+def unit_class_stride(logits2d: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits with unit stride along the classes: a copy where they are strided, else the same memory. The
+    stride of a class dimension of size 1 (or of an empty tensor) means nothing, and contiguous() keeps whatever it
+    is (a transposed (1, N) tensor has stride N there): such a tensor gets a view with stride 1 instead."""
+    if logits2d.stride(1) == 1:
+        return logits2d
+    if logits2d.shape[1] == 1 or logits2d.numel() == 0:
+        return logits2d.as_strided(logits2d.shape, (logits2d.stride(0), 1))
+    return logits2d.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,6 +228,7 @@ def cross_entropy(
         The float32 loss (a scalar, or the shape of ``target`` for ``reduction="none"``), or
         ``CrossEntropyOutput(loss, lse)`` when ``return_lse=True``.
     """
+    _validate.check_no_transform("cross_entropy")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
@@ -230,8 +241,8 @@ def cross_entropy(
         chosen = "torch"  # float64 has no kernels
     # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
     inplace_backward = inplace_backward and torch.is_grad_enabled()
-    if inplace_backward and logits2d.stride(1) != 1:
-        logits2d = logits2d.contiguous()  # the gradient overwrites this copy, not the caller's tensor
+    if inplace_backward:
+        logits2d = unit_class_stride(logits2d)  # a copy where strided: the gradient overwrites it, not the caller's
     if chosen == "torch":
         loss, lse = reference.cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index,
                                                   label_smoothing, z_loss, softcap, return_lse=True,

@@ -391,6 +391,7 @@ def linear_cross_entropy(
     Returns:
         float32 loss: a scalar, or the shape of ``target`` for ``reduction="none"``.
     """
+    _validate.check_no_transform("linear_cross_entropy")
     _check_torch_options(options)
     ignore_index = _validate.ignore_index_arg(ignore_index)
     if process_group is not None:
@@ -409,7 +410,8 @@ def linear_cross_entropy(
     check_skip_options(skip_threshold, vocab_order, linear_weight.shape[0], input.device)
     check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_cross_entropy")
-    if chosen == "triton" and check_kernel_dtype(args.x, backend):
+    # One class: closed forms on the PyTorch path (reference.one_class_logits), on either backend.
+    if chosen == "triton" and check_kernel_dtype(args.x, backend) and linear_weight.shape[0] > 1:
         return _lce_triton(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, skip_threshold,
                            vocab_order, workspace_bytes)
     return reference.lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)

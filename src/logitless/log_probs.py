@@ -61,6 +61,7 @@ def linear_log_probs(
         float32 log-probs of the shape of ``target`` (0 at ``ignore_index`` positions), and with
         ``return_entropy=True`` a tuple ``(log_probs, entropy)``; the entropy is 0 at ignored positions too.
     """
+    _validate.check_no_transform("linear_log_probs")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
     if process_group is not None:
@@ -75,7 +76,8 @@ def linear_log_probs(
     check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
     check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_log_probs")
-    if chosen == "triton" and check_kernel_dtype(args.x, backend):
+    # One class: closed forms on the PyTorch path (reference.one_class_logits), on either backend.
+    if chosen == "triton" and check_kernel_dtype(args.x, backend) and linear_weight.shape[0] > 1:
         # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
         skip = skip_setup(args, skip_threshold, "none", ignore_index, bounded=not return_entropy)
         m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip,
@@ -102,6 +104,7 @@ def linear_logsumexp(
     """Per-row ``logsumexp(z / temperature)`` of ``z = F.linear(input, linear_weight, linear_bias)`` (softcapped
     first when ``softcap`` is set), float32, of the input's leading shape. Differentiable; ``workspace_bytes`` as
     in :func:`logitless.linear_cross_entropy`."""
+    _validate.check_no_transform("linear_logsumexp")
     if process_group is not None:
         from . import distributed
 
@@ -111,7 +114,7 @@ def linear_logsumexp(
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
     check_workspace(workspace_bytes)
     chosen = resolve_backend(backend, input.device, "linear_logsumexp")
-    if chosen == "triton" and check_kernel_dtype(args.x, backend):
+    if chosen == "triton" and check_kernel_dtype(args.x, backend) and linear_weight.shape[0] > 1:
         m, logs = head_stats(args, None, softcap, 1.0 / float(temperature), False, False,
                              workspace_bytes=workspace_bytes)[:2]
         return (m + logs).reshape(args.lead_shape)

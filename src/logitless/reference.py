@@ -66,12 +66,14 @@ NOT_DIFFERENTIABLE = ("logitless: the gradients of its ops (linear_cross_entropy
 
 
 class _NotDifferentiable(torch.autograd.Function):
-    """Identity on a backward's results; differentiating through it raises NOT_DIFFERENTIABLE. `anchor` (a tensor
-    that requires grad) only puts the results in the graph, so that the error comes when they are differentiated."""
+    """Identity on a backward's results; differentiating through it raises NOT_DIFFERENTIABLE. The first
+    `n_anchors` arguments (tensors that require grad) only put the results in the graph, so that the error comes when
+    they are differentiated, with respect to any of them (with one anchor, a gradient asked for with respect to
+    another input would not reach this node, and PyTorch would say that input "appears to not have been used")."""
 
     @staticmethod
-    def forward(ctx, anchor, *outs):
-        return tuple(o.view_as(o) for o in outs)
+    def forward(ctx, n_anchors, *args):
+        return tuple(o.view_as(o) for o in args[n_anchors:])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -95,7 +97,7 @@ def first_order_only(backward):
         idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
         if not anchors or not idx:
             return outs
-        attached = _NotDifferentiable.apply(anchors[0], *(outs[i] for i in idx))
+        attached = _NotDifferentiable.apply(len(anchors), *anchors, *(outs[i] for i in idx))
         outs = list(outs)
         for i, o in zip(idx, attached, strict=True):
             outs[i] = o
@@ -225,8 +227,10 @@ def _head_forward(chunk_fn, n, V, device, dtype, target, ignore_index, class_w, 
     return m, logs, zt, sw, ref, ent
 
 
-def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
-    """dL/dz for one block: p (A + B (z - m)) - C [j == t] - E w. z is modified in place into the result."""
+def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c, X_c=None):
+    """dL/dz for one block: p (A + B (z - m)) - C [j == t] - E w. With X_c (ce_backward_coef(with_excess=True)), the
+    target's column is p_t X + (p_t - 1) C, C then standing for C + E w_t: where p_t rounds to 1 (one class, a
+    confident row), p_t A - C - E w_t would lose the z-loss term in the cancellation."""
     p = torch.exp((z - m_c[:, None]) - logs_c[:, None])
     if B_c is not None:
         dz = p * (A_c[:, None] + B_c[:, None] * (z - m_c[:, None]))
@@ -237,27 +241,41 @@ def _dz_chunk(z, m_c, logs_c, A_c, B_c, C_c, E_c, t_c, v0, v1, class_w_c):
         dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
     if C_c is not None:
         inside = (t_c >= v0) & (t_c < v1)
-        idx = (t_c - v0).clamp(0, v1 - v0 - 1)
-        dz.scatter_add_(1, idx[:, None], torch.where(inside, -C_c, torch.zeros_like(C_c))[:, None])
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
+        if X_c is None:
+            dz.scatter_add_(1, idx, torch.where(inside, -C_c, torch.zeros_like(C_c))[:, None])
+        else:
+            p_t = torch.exp((z.gather(1, idx)[:, 0] - m_c) - logs_c)
+            d_t = p_t * X_c + (p_t - 1.0) * C_c
+            dz.scatter_(1, idx, torch.where(inside, d_t, dz.gather(1, idx)[:, 0])[:, None])
     return dz
 
 
-def _chain_transform(dz, z, softcap, inv_temp):
-    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `z` is the transformed logit block."""
+def _chain_transform(dz, raw, softcap, inv_temp):
+    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `raw` is the logit block before the transform."""
     if inv_temp != 1.0:
         dz = dz * inv_temp
     if softcap is not None:
-        capped = z / inv_temp if inv_temp != 1.0 else z
-        dz = dz * (1.0 - (capped / softcap) ** 2)
+        dz = dz * _softcap_slope(raw, softcap)
     return dz
+
+
+def _softcap_slope(raw, softcap):
+    """d(softcap tanh(u))/du at u = raw / softcap, as 4 s (1 - s) with s = sigmoid(-2 |u|) (= 1 / cosh(u)^2), in
+    one block-sized buffer. PyTorch's 1 - tanh(u)^2 cancels where tanh saturates (20-60x PyTorch's float32 error
+    there); this form has no cancellation (s <= 1/2) and stays within a few ulp everywhere."""
+    s = (raw / softcap).abs_().mul_(-2.0).sigmoid_()
+    return s.addcmul_(s, s, value=-1.0).mul_(4.0)
 
 
 def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs):
     """Gradients of a linear head given per-row coefficients coef = (A, B, C, E). Vocab-outer, so each chunk of
     dW is accumulated in float32 and written once; dx is accumulated in float32 over all vocabulary chunks. Each
     block's logits are recomputed into one preallocated buffer and turned into dL/dz there, in place; the products
-    accumulate into the gradients with addmm_ (into dW directly when all tokens fit in one block)."""
-    A, B, C, E = coef
+    accumulate into the gradients with addmm_ (into dW directly when all tokens fit in one block). A fifth
+    coefficient X (cross-entropy's, ce_backward_coef(with_excess=True)) sets the target's column apart (_dz_block)."""
+    A, B, C, E, *excess = coef
+    X = excess[0] if excess else None
     n, D = x.shape
     V = w.shape[0]
     need_x, need_w, need_b = needs
@@ -292,14 +310,17 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
         for i0, i1 in _chunks(n, rows):
             x_c = x_all if one_block else x[i0:i1].to(acc)
             sl = slice(i0, i1)
-            z = _linear_chunk(x_c, w_c, b_c, softcap, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
-            # The softcap's chain factor 1 - (z / softcap)^2, from the capped logits before the temperature.
-            chain = z.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
+            z = _linear_chunk(x_c, w_c, b_c, None, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
+            chain = None
+            if softcap is not None:  # the chain factor from the raw logits, then the cap in place
+                chain = _softcap_slope(z, softcap)
+                z.div_(softcap).tanh_().mul_(softcap)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
             dz = _dz_block(z, m2[sl], logs2[sl], A2[sl] if a_s is None else a_s[sl], None if B2 is None else B2[sl],
                            None if C2 is None else C2[sl], None if E2 is None else E2[sl],
-                           None if target is None else target[sl], v0, v1, cw_c)
+                           None if target is None else target[sl], v0, v1, cw_c,
+                           None if X is None else X[sl, None], logs[sl, None])
             del z
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
@@ -322,9 +343,14 @@ def _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_
     return (dx.to(x.dtype) if need_x else None), dw, db
 
 
-def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
+def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c, X2=None, lse_logs2=None):
     """dL/dz = p (A + B (z - m)) - C [j == t] - E w for a block of (temperature-scaled) logits z, written over z
-    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs))."""
+    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs)).
+    With X2 (and lse_logs2, the rows' log S), the target's column is p_t X + (p_t - 1) C, as in _dz_chunk."""
+    if X2 is not None:
+        inside_t = ((t_c >= v0) & (t_c < v1))[:, None]
+        idx_t = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
+        p_t = torch.exp((z.gather(1, idx_t) - m2) - lse_logs2)
     z.sub_(m2)  # z - m, exact
     if B2 is not None:
         g = z.mul(B2).add_(A2)  # A + B (z - m): B multiplies z - m, no cancellation at |z| ~ 1e4
@@ -339,7 +365,10 @@ def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
             dz.addcmul_(E2, class_w_c[None, :], value=-1.0)
         else:
             dz.sub_(E2)
-    if C2 is not None:
+    if X2 is not None:
+        d_t = p_t * X2 + (p_t - 1.0) * C2
+        dz.scatter_(1, idx_t, torch.where(inside_t, d_t, dz.gather(1, idx_t)))
+    elif C2 is not None:
         inside = (t_c >= v0) & (t_c < v1)
         idx = (t_c - v0).clamp(0, v1 - v0 - 1)
         dz.scatter_add_(1, idx[:, None], torch.where(inside[:, None], -C2, torch.zeros_like(C2)))
@@ -378,15 +407,22 @@ def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing,
     return torch.where(valid, loss, 0.0)
 
 
-def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V):
-    """(A, B, C, E) of dL/dz = p (A + B (z - m)) - C [j == t] - E w for the cross-entropy loss, upstream `grad`."""
+def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V, with_excess=False):
+    """(A, B, C, E) of dL/dz = p (A + B (z - m)) - C [j == t] - E w for the cross-entropy loss, upstream `grad`.
+    with_excess: (A, B, C + E w_t, E, X) for _dz_chunk's target column, X = E (W - w_t) + 2 g z_loss lse computed
+    apart (W = w_sum), so that it survives where p_t rounds to 1."""
     eps = float(label_smoothing)
     g = torch.where(valid, grad.to(lse.dtype), torch.zeros_like(lse))
     C = g * (1.0 - eps) * w_t
     A = C + g * (eps / V) * w_sum
+    X = g * (eps / V) * (w_sum - w_t)
     if z_loss > 0.0:
-        A = A + g * (2.0 * z_loss) * lse
+        zl = g * (2.0 * z_loss) * lse
+        A = A + zl
+        X = X + zl
     E = g * (eps / V) if eps > 0.0 else None
+    if with_excess:
+        return A, None, (C if E is None else C + E * w_t), E, X
     return A, None, C, E
 
 
@@ -430,7 +466,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         V = w.shape[0]
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
-        coef = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        coef = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V, with_excess=True)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         dx, dw, db = _linear_head_backward(x, w, b, target, class_w, m, logs, coef, softcap, 1.0, needs)
         return dx, dw, db, None, None, None, None, None, None
@@ -537,15 +573,17 @@ class _CrossEntropy(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
-        A, B, C, E = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        A, B, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V,
+                                         with_excess=True)
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in _chunks(n, _token_chunk(V)):
             sl = slice(i0, i1)
             for v0, v1 in _chunks(V, _VOCAB_CHUNK):
-                z = _transform(logits[sl, v0:v1].to(m.dtype), softcap, 1.0)
+                raw = logits[sl, v0:v1].to(m.dtype)
+                z = _transform(raw, softcap, 1.0)
                 dz = _dz_chunk(z, m[sl], logs[sl], A[sl], None, C[sl], None if E is None else E[sl], target[sl],
-                               v0, v1, None if class_w is None else class_w[v0:v1])
-                grad[sl, v0:v1] = _chain_transform(dz, z, softcap, 1.0)
+                               v0, v1, None if class_w is None else class_w[v0:v1], X[sl])
+                grad[sl, v0:v1] = _chain_transform(dz, raw, softcap, 1.0)
         return grad, None, None, None, None, None, None, None
 
 
@@ -557,9 +595,42 @@ def _class_weight_acc(weight, dtype):
     return None if weight is None else weight.to(_acc(dtype))
 
 
+def one_class_logits(args, softcap, inv_temp):
+    """(N,) logits of a head with a single class (V = 1), through differentiable PyTorch ops. With one class the
+    softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0 (only the
+    z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. N values: nothing to chunk."""
+    acc = _acc(args.x.dtype)
+    z = args.x.to(acc) @ args.weight[0].to(acc)
+    if args.bias is not None:
+        z = z + args.bias[0].to(acc)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z * inv_temp if inv_temp != 1.0 else z
+
+
+def _no_autocast(fn):
+    """The PyTorch path computes in the inputs' dtypes (float32 math), as the Triton kernels do: autocast, which
+    would run its chunks' products in bfloat16, is off inside (the backward runs without it anyway)."""
+
+    @functools.wraps(fn)
+    def wrapper(args, *rest, **kw):
+        x = args if isinstance(args, torch.Tensor) else args.x
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(args, *rest, **kw)
+
+    return wrapper
+
+
+@_no_autocast
 def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap):
     """PyTorch path on validated arguments (see linear_cross_entropy)."""
     class_w = _class_weight_acc(weight, args.x.dtype)
+    if args.weight.shape[0] == 1:
+        z = one_class_logits(args, softcap, 1.0)
+        valid, w_t, _ = ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
+        per_token = torch.where(valid, z * z * float(z_loss), 0.0)  # (lse - z_t) and smoothing are exactly 0
+        return reduce_loss(per_token, valid, w_t, reduction, args.lead_shape)
     per_token, _ = _LinearCrossEntropy.apply(
         args.x, args.weight, args.bias, args.target, class_w, ignore_index, float(label_smoothing), float(z_loss),
         None if softcap is None else float(softcap),
@@ -572,6 +643,7 @@ def lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, so
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """Chunked PyTorch twin of :func:`logitless.linear_cross_entropy`."""
+    _validate.check_no_transform("reference.linear_cross_entropy")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
@@ -580,7 +652,12 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     return lce_torch(args, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
 
 
+@_no_autocast
 def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
+    if args.weight.shape[0] == 1:
+        zero = one_class_logits(args, softcap, 1.0 / float(temperature)) * 0.0  # log 1 = 0, and no entropy
+        logp = torch.where(args.target != ignore_index, zero, 0.0).reshape(args.lead_shape)
+        return (logp, logp.clone()) if return_entropy else logp
     logp, ent, _ = _LinearLogProbs.apply(
         args.x, args.weight, args.bias, args.target, ignore_index, None if softcap is None else float(softcap),
         1.0 / float(temperature), bool(return_entropy),
@@ -594,6 +671,7 @@ def log_probs_torch(args, ignore_index, softcap, temperature, return_entropy):
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
                      ignore_index=-100, return_entropy=False):
     """Chunked PyTorch twin of :func:`logitless.linear_log_probs`."""
+    _validate.check_no_transform("reference.linear_log_probs")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
@@ -601,7 +679,10 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
     return log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
 
 
+@_no_autocast
 def logsumexp_torch(args, softcap, temperature):
+    if args.weight.shape[0] == 1:
+        return one_class_logits(args, softcap, 1.0 / float(temperature)).reshape(args.lead_shape)
     lse = _LinearLogSumExp.apply(args.x, args.weight, args.bias, None if softcap is None else float(softcap),
                                  1.0 / float(temperature))
     return lse.reshape(args.lead_shape)
@@ -609,11 +690,13 @@ def logsumexp_torch(args, softcap, temperature):
 
 def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0):
     """Chunked PyTorch twin of :func:`logitless.linear_logsumexp`."""
+    _validate.check_no_transform("reference.linear_logsumexp")
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
     return logsumexp_torch(args, softcap, temperature)
 
 
+@_no_autocast
 def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
                         softcap, return_lse=False, inplace_backward=False):
     class_w = _class_weight_acc(weight, logits2d.dtype)
@@ -628,6 +711,7 @@ def cross_entropy_torch(logits2d, target, lead_shape, weight, reduction, ignore_
 def cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
                   z_loss=0.0, softcap=None, inplace_backward=False, return_lse=False):
     """Chunked PyTorch twin of :func:`logitless.cross_entropy` (`return_lse` gives a plain (loss, lse) tuple)."""
+    _validate.check_no_transform("reference.cross_entropy")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)

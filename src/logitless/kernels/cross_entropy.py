@@ -16,7 +16,8 @@ one write; or by a second launch (_ce_bwd_kernel with out = logits), two reads f
 Notation per row (docs/cross_entropy.md): lse = M + log S, p_j = exp(z_j - lse), and
   dL/dz_j = p_j A - C [j == t] - E w_j,   C = g (1 - eps) w_t,  A = C + g (eps / V) W + 2 g z_loss lse,  E = g eps / V
 with g the upstream gradient (0 on ignored rows), w the class weights (1 without), W their sum; softcap multiplies
-by 1 - tanh^2. The loss is computed as (M - z_t) + log S, not lse - z_t, so huge logits lose no precision.
+by 1 - tanh^2. The target's column is computed as p_t X + (p_t - 1) (C + E w_t), X = A - C - E w_t (_row_coef).
+The loss is computed as (M - z_t) + log S, not lse - z_t, so huge logits lose no precision.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def _tanh(y, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _sech2(y, th):
+    """1 - tanh(y)^2 given th = tanh(y), to a few ulp: from exp(-2|y|) where tanh saturates, where 1 - th^2 cancels
+    (a saturated softcap's gradient was 60x PyTorch's float32 error)."""
+    a = tl.abs(y)
+    e = tl.exp2(a * (-2.0 * LOG2E))
+    big = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return tl.where(a < 0.6, (1.0 - th) * (1.0 + th), big)
+
+
+@triton.jit
 def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> the output dtype, rounding to nearest even (the interpreter truncates float32 -> bfloat16)."""
     if INTERPRET and dtype == tl.bfloat16:
@@ -75,7 +86,8 @@ def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap,
                HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, FILL: tl.constexpr,
                EVICT: tl.constexpr):
-    """float32 logits of a tile after the softcap, and tanh(x / softcap) for the chain rule. Rows past N read 0
+    """float32 logits of a tile after the softcap, and their derivative 1 - tanh(x / softcap)^2 for the chain rule
+    (unused, and so not computed, where only statistics are taken). Rows past N read 0
     (finite), so no NaN appears in them; they are never stored. MASK_COLS: columns past V are not read (and read 0);
     FILL: they are -inf in the result (for a max or a sum of exponentials; a caller that never stores them needs no
     per-element select). MASK_COLS=False: the caller knows that every column is below V (pass 1 is issue-bound, not
@@ -87,8 +99,10 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
     else:
         x = tl.load(ptrs, mask=row_mask[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_SOFTCAP:
-        th = _tanh(x / softcap, INTERPRET)
+        y = x / softcap
+        th = _tanh(y, INTERPRET)
         z = softcap * th
+        th = _sech2(y, th)
     else:
         th = x
         z = x
@@ -102,7 +116,8 @@ def _fold_tile(logits_ptr, class_w_ptr, rows64, cols, row_mask, col_mask, stride
                W_run, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                INTERPRET: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
     """Reads a tile and folds it into the rows' running statistics (max m, sum of exp(z - m), and for smoothing
-    sum w (z - m) and sum w). Returns them updated, with the tile's logits, tanh and exponentials [BLOCK_N, BLOCK_V]
+    sum w (z - m) and sum w). Returns them updated, with the tile's logits, 1 - tanh^2 and exponentials
+    [BLOCK_N, BLOCK_V]
     (exp(z - m), 0 past V)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
                        MASK_COLS, MASK_COLS, EVICT)
@@ -140,52 +155,60 @@ def _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT
 @triton.jit
 def _row_coef(g, lse, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
               HAS_ZLOSS: tl.constexpr):
-    """(A, C, E) of dL/dz_j = p_j A - C [j == t] - E w_j; g is 0 on ignored rows. w_sum_ptr: the class weights'
-    sum (read with HAS_WEIGHT and HAS_SMOOTHING; V without class weights)."""
+    """(A, X, Ct, E) of dL/dz_j = p_j A - C [j == t] - E w_j; g is 0 on ignored rows. w_sum_ptr: the class
+    weights' sum W (read with HAS_WEIGHT and HAS_SMOOTHING; V without class weights). The target's column is
+    p_t X + (p_t - 1) Ct with Ct = C + E w_t and X = E (W - w_t) + 2 g z_loss lse, the same value: where p_t rounds
+    to 1 (one class, a confident row) the z-loss term would be lost in cancelling p_t A against C + E w_t."""
     C = g * (1.0 - eps) * w_t
     A = C
+    X = g * 0.0
     E = g * 0.0
     if HAS_SMOOTHING:
         E = g * (eps / V)
         if HAS_WEIGHT:
-            A += E * tl.load(w_sum_ptr)
+            W = tl.load(w_sum_ptr)
         else:
-            A += E * (V * 1.0)
+            W = V * 1.0
+        A += E * W
+        X = E * (W - w_t)
+        C += E * w_t
     if HAS_ZLOSS:
-        A += g * (2.0 * z_loss) * lse
-    return A, C, E
+        zl = g * (2.0 * z_loss) * lse
+        A += zl
+        X += zl
+    return A, X, C, E
 
 
 @triton.jit
-def _grad_tile(p_scaled, th, cols, t, C, E, class_w_ptr, col_mask,
+def _grad_tile(p, A, X, dtanh, cols, t, C, E, class_w_ptr, col_mask,
                HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                ONE_HOT: tl.constexpr = True):
-    """dL/d(raw logits) of a tile from p_j A (already multiplied), in float32: [BLOCK_N, BLOCK_V]. ONE_HOT=False:
-    the caller knows that no row's target is among these columns."""
-    if ONE_HOT:
-        dz = p_scaled - tl.where(cols[None, :] == t[:, None], C[:, None], 0.0)
-    else:
-        dz = p_scaled
+    """dL/d(raw logits) of a tile from the probabilities p, in float32: [BLOCK_N, BLOCK_V]. ONE_HOT=False: the
+    caller knows that no row's target is among these columns. dtanh: 1 - tanh^2 of the softcap."""
+    dz = p * A[:, None]
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(class_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             dz -= E[:, None] * w[None, :]
         else:
             dz -= E[:, None]
+    if ONE_HOT:
+        # The target's column from (X, Ct) of _row_coef (PyTorch's error there is 1e-7 where p_t rounds to 1).
+        dz = tl.where(cols[None, :] == t[:, None], p * X[:, None] + (p - 1.0) * C[:, None], dz)
     if HAS_SOFTCAP:
-        dz = dz * (1.0 - th * th)
+        dz = dz * dtanh
     return dz
 
 
 @triton.jit
 def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
-                     A, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                     A, X, C, E, class_w_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Read a tile of logits, store its dL/dz (p_j = exp((z - M) - log S)) into out (which may be the logits)."""
     z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP, INTERPRET,
                        True, True, "")
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
-    dz = _grad_tile(p * A[:, None], th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+    dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
              _cast_out(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -219,7 +242,7 @@ def _finish_rows(loss_ptr, lse_ptr, stats_ptr, rows, rows64, row_mask, valid, w_
 @triton.jit
 def _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE: tl.constexpr,
                HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """(A, C, E) for upstream 1 (times the mean's 1 / denominator when HAS_SCALE)."""
+    """(A, X, C, E) for upstream 1 (times the mean's 1 / denominator when HAS_SCALE)."""
     g = tl.where(valid, 1.0, 0.0)
     if HAS_SCALE:
         g = tl.where(valid, tl.load(scale_ptr), 0.0)  # 1 / 0 = inf when every row is ignored: never multiplied
@@ -360,10 +383,11 @@ def _ce_stats_unit(
             _publish(count_ptr + rb)
         if WRITE_GRAD:
             # The whole row is in registers: p_j = exp(z_j - M) / S reuses pass 1's exponentials.
-            A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
+            A, X, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE,
                                  HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
-            pa = e * (A * tl.exp2(-logS * LOG2E))[:, None]
-            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+            p = e * tl.exp2(-logS * LOG2E)[:, None]
+            dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
+                            HAS_SOFTCAP)
             tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
                      _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -406,7 +430,7 @@ def _ce_lagged_grad_unit(
     M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0, cache_modifier=".cg")
     logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg")
     t, valid, w_t = _row_terms(target_ptr, class_w_ptr, rows, row_mask, ignore_index, HAS_WEIGHT)
-    A, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE, HAS_WEIGHT,
+    A, X, C, E = _grad_coef(scale_ptr, w_sum_ptr, valid, w_t, M, logS, eps, z_loss, V, HAS_SCALE, HAS_WEIGHT,
                          HAS_SMOOTHING, HAS_ZLOSS)
     # This pass shares the SM's instruction issue with pass 1, so it is lean: no -inf fill of the columns past V (they
     # are never stored), one fused multiply-add for the exponent, and the target's one-hot only in the tile where a
@@ -418,12 +442,12 @@ def _ce_lagged_grad_unit(
         col_mask = cols < V
         z, th = _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap, HAS_SOFTCAP,
                            INTERPRET, True, False, EVICT)
-        pa = tl.exp2(tl.fma(z - M[:, None], LOG2E, neg_log2S[:, None])) * A[:, None]
+        p = tl.exp2(tl.fma(z - M[:, None], LOG2E, neg_log2S[:, None]))
         if tl.max(((t >= c0) & (t < c0 + BLOCK_V)).to(tl.int32), axis=0) > 0:
-            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                             True)
         else:
-            dz = _grad_tile(pa, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                             False)
         tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
                  _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :],
@@ -464,10 +488,10 @@ def _ce_bwd_kernel(
         g = tl.where(valid, g * tl.load(scale_ptr), 0.0)
     M = tl.load(stats_ptr + rows64 * 2, mask=row_mask, other=0.0)
     logS = tl.load(stats_ptr + rows64 * 2 + 1, mask=row_mask, other=0.0)
-    A, C, E = _row_coef(g, M + logS, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
+    A, X, C, E = _row_coef(g, M + logS, w_t, w_sum_ptr, eps, z_loss, V, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS)
 
     _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stride_row, stride_out_row, t, M, logS,
-                     A, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
+                     A, X, C, E, class_w_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, INTERPRET)
 
 
 @triton.jit

@@ -1,0 +1,285 @@
+"""Property-based tests: random shapes, dtypes, layouts and option combinations of all four ops on both backends,
+each held to the error rule against float64 (tests/helpers.py): err(ours) <= 2 x err(PyTorch in the same dtype)
++ 1e-6, for the value and every gradient.
+
+The default run is a fixed, derandomized set of examples (reproducible, within CI's time). More:
+    LOGITLESS_FUZZ_MINUTES=30 python -m pytest -q tests/test_fuzz.py -m slow
+draws fresh random examples for that long (the Triton path through the interpreter on CPU). A failure prints the
+case as a dict; `run_case(case)` replays it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from logitless import cross_entropy, linear_cross_entropy, linear_log_probs, linear_logsumexp, reference
+from tests.helpers import assert_within_rule
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OPS = ("linear_cross_entropy", "linear_log_probs", "linear_logsumexp", "cross_entropy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# Vocabulary sizes: 1, odd, prime, a power of two and around it (tile edges of the small test tiles).
+VOCAB = (1, 2, 3, 5, 7, 13, 31, 64, 97, 127, 128, 129, 257)
+
+_COMMON = dict(deadline=None, database=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+# CI: the same examples on every run (derandomized); the interpreter makes each Triton example cost ~0.1-1 s.
+CI_SETTINGS = settings(max_examples=int(os.environ.get("LOGITLESS_FUZZ_EXAMPLES", "60")), derandomize=True,
+                       **_COMMON)
+SLOW_SETTINGS = settings(max_examples=200, derandomize=False, **_COMMON)
+
+
+@st.composite
+def cases(draw, ops=OPS, backends=("torch", "triton")):
+    op = draw(st.sampled_from(ops))
+    backend = draw(st.sampled_from(backends))
+    dtypes = ["float32", "bfloat16", "float16"] + (["float64"] if backend == "torch" else [])
+    case = dict(
+        op=op, backend=backend, dtype=draw(st.sampled_from(dtypes)),
+        n=draw(st.sampled_from((0, 1, 2, 3, 7, 16, 33))), v=draw(st.sampled_from(VOCAB)),
+        d=draw(st.sampled_from((1, 3, 8, 17, 32))),
+        lead=draw(st.sampled_from(("flat", "3d"))),
+        layout=draw(st.sampled_from(("contiguous", "strided", "transposed"))),
+        scale=draw(st.sampled_from((0.1, 1.0, 4.0, 30.0))),
+        seed=draw(st.integers(0, 2**16)),
+        softcap=draw(st.sampled_from((None, None, 0.5, 5.0, 30.0))),
+        upstream=draw(st.sampled_from(("one", "random"))),
+    )
+    if op == "linear_logsumexp":
+        case["temperature"] = draw(st.sampled_from((1.0, 0.7, 3.0)))
+    else:
+        case["ignore_frac"] = draw(st.sampled_from((0.0, 0.3, 1.0)))
+        case["ignore_index"] = draw(st.sampled_from((-100, -1, 0)))
+        case["int32"] = draw(st.booleans())
+    if op != "cross_entropy":
+        case["bias"] = draw(st.booleans())
+        case["grads"] = draw(st.sampled_from(("all", "input", "weight")))
+        case["w_layout"] = draw(st.sampled_from(("contiguous", "transposed")))
+    if op == "linear_log_probs":
+        case["temperature"] = draw(st.sampled_from((1.0, 0.7, 3.0)))
+        case["return_entropy"] = draw(st.booleans())
+    if op in ("linear_cross_entropy", "cross_entropy"):
+        case["reduction"] = draw(st.sampled_from(("mean", "sum", "none")))
+        case["label_smoothing"] = draw(st.sampled_from((0.0, 0.0, 0.1, 1.0)))
+        case["z_loss"] = draw(st.sampled_from((0.0, 0.0, 1e-4, 0.1)))
+        case["class_weight"] = draw(st.sampled_from((None, "random", "with_zeros")))
+    if op == "cross_entropy":
+        case["inplace"] = draw(st.booleans())
+    return case
+
+
+def _layout(base: torch.Tensor, layout: str, gen: torch.Generator) -> tuple[torch.Tensor, callable]:
+    """(leaf, view): the leaf holds `base` in a storage of the given layout and view(leaf) is a tensor equal to
+    `base` with that layout: "strided" every other column of a wider tensor, "transposed" the transpose of a
+    contiguous (cols, rows) tensor."""
+    if layout == "strided" and base.dim() == 2:
+        wide = torch.randn(base.shape[0], 2 * base.shape[1], generator=gen).to(base.dtype)
+        wide[:, ::2] = base
+        return wide, lambda t: t[:, ::2]
+    if layout == "transposed" and base.dim() == 2:
+        return base.T.contiguous(), lambda t: t.T
+    return base.clone(), lambda t: t
+
+
+def _build(case):
+    """Inputs of a case in float32, before any dtype or layout: x (n, d) or logits (n, v), w, b, class w, target."""
+    g = torch.Generator().manual_seed(case["seed"])
+    n, v, d = case["n"], case["v"], case["d"]
+    out = {}
+    if case["op"] == "cross_entropy":
+        out["z"] = torch.randn(n, v, generator=g) * case["scale"]
+    else:
+        out["x"] = torch.randn(n, d, generator=g) * case["scale"] ** 0.5
+        out["w"] = torch.randn(v, d, generator=g) * case["scale"] ** 0.5 / d**0.5
+        if case.get("bias"):
+            out["b"] = torch.randn(v, generator=g)
+    if "ignore_frac" in case:
+        t = torch.randint(0, v, (n,), generator=g)
+        t[torch.rand(n, generator=g) < case["ignore_frac"]] = case["ignore_index"]
+        out["t"] = t.int() if case["int32"] else t
+    cw = case.get("class_weight")
+    if cw is not None:
+        out["cw"] = torch.rand(v, generator=g) + 0.1
+        if cw == "with_zeros":
+            out["cw"][torch.rand(v, generator=g) < 0.3] = 0.0
+    out["gen"] = g
+    return out
+
+
+def _run(case, inp, dtype, ours: bool, src_dtype=None):
+    """One evaluation of the case's op in `dtype`: logitless (`ours`) or the materialising PyTorch composition.
+    The inputs are rounded to `src_dtype` (default `dtype`) first, so that float64 sees the same numbers.
+    Returns (output to compare, scalar to differentiate, leaves that require grad, their names)."""
+    src_dtype = src_dtype or dtype
+
+    def cast(t):
+        return t.to(src_dtype).to(dtype)
+
+    op, be = case["op"], case["backend"]
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    lead3 = case["lead"] == "3d" and case["n"] % 2 == 0 and case["n"] > 0
+
+    def shape_lead(t):
+        return t.reshape(2, t.shape[0] // 2, *t.shape[1:]) if lead3 else t
+
+    target = inp.get("t")
+    if target is not None:
+        target = shape_lead(target).to(DEV)
+    names, leaves, args = [], [], {}
+    if op == "cross_entropy":
+        leaf, view = _layout(cast(inp["z"]), case["layout"], inp["gen"].manual_seed(7))
+        leaf = leaf.to(DEV).requires_grad_(True)
+        names, leaves = ["d_logits"], [leaf]
+        z = shape_lead(view(leaf))
+        cw = inp.get("cw")
+        cw = None if cw is None else cw.to(DEV, torch.float64 if dtype == torch.float64 else torch.float32)
+        kw = dict(weight=cw, reduction=case["reduction"], ignore_index=case["ignore_index"],
+                  label_smoothing=case["label_smoothing"], z_loss=case["z_loss"], softcap=case["softcap"])
+        if ours:
+            if case["inplace"]:
+                z = z.clone()  # the gradient overwrites this copy; the leaf keeps the logits
+            out = cross_entropy(z, target, inplace_backward=case["inplace"], backend=be, **kw)
+        else:
+            out = reference.naive_cross_entropy(z, target, upcast=False, **kw)
+    else:
+        lx, vx = _layout(cast(inp["x"]), case["layout"], inp["gen"].manual_seed(7))
+        lw, vw = _layout(cast(inp["w"]), case["w_layout"], inp["gen"].manual_seed(8))
+        lx, lw = lx.to(DEV), lw.to(DEV)
+        want = case["grads"]
+        lx.requires_grad_(want in ("all", "input"))
+        lw.requires_grad_(want in ("all", "weight"))
+        x, w = shape_lead(vx(lx)), vw(lw)
+        b = None
+        if "b" in inp:
+            b = cast(inp["b"]).to(DEV).requires_grad_(want == "all")
+        for name, t in (("d_input", lx), ("d_weight", lw), ("d_bias", b)):
+            if t is not None and t.requires_grad:
+                names.append(name)
+                leaves.append(t)
+        args = dict(linear_bias=b, softcap=case["softcap"])
+        if op == "linear_cross_entropy":
+            cw = inp.get("cw")
+            cw = None if cw is None else cw.to(DEV, torch.float64 if dtype == torch.float64 else torch.float32)
+            kw = dict(weight=cw, reduction=case["reduction"], ignore_index=case["ignore_index"],
+                      label_smoothing=case["label_smoothing"], z_loss=case["z_loss"], **args)
+            out = (linear_cross_entropy(x, w, target, backend=be, **kw) if ours
+                   else reference.naive_linear_cross_entropy(x, w, target, upcast=False, **kw))
+        elif op == "linear_log_probs":
+            kw = dict(temperature=case["temperature"], ignore_index=case["ignore_index"],
+                      return_entropy=case["return_entropy"], **args)
+            out = (linear_log_probs(x, w, target, backend=be, **kw) if ours
+                   else reference.naive_linear_log_probs(x, w, target, upcast=False, **kw))
+            if case["return_entropy"]:
+                out = torch.stack(out)
+        else:
+            kw = dict(temperature=case["temperature"], **args)
+            out = (linear_logsumexp(x, w, backend=be, **kw) if ours
+                   else reference.naive_linear_logsumexp(x, w, upcast=False, **kw))
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64) if case["upstream"] == "random" \
+        else torch.ones(out.shape, dtype=torch.float64)
+    scalar = (out * up.to(DEV, out.dtype)).sum()
+    return out, scalar, leaves, names
+
+
+def _rule(name, ours, theirs, truth):
+    """assert_within_rule, where an infinite truth matched exactly (a "mean" over class weights that sum to 0 with a
+    z-loss is inf, as in PyTorch) counts as no error: inf - inf would make the relative error NaN."""
+    t64 = truth.detach().double()
+    inf = torch.isinf(t64)
+    if inf.any():
+        o64, p64 = ours.detach().double(), theirs.detach().double()
+        assert torch.equal(o64[inf], t64[inf]), f"{name}: {o64[inf]} where the truth is {t64[inf]}"
+        keep = ~inf
+        ours, theirs, truth = o64[keep], torch.where(torch.isinf(p64), torch.nan, p64)[keep], t64[keep]
+    assert_within_rule(name, ours, theirs, truth)
+
+
+def run_case(case) -> None:
+    """Ours in the case's dtype and backend, PyTorch in that dtype, PyTorch in float64: the value and every
+    gradient under the error rule; ours is float32 (float64 for float64 input) and gradients keep the leaves'
+    dtypes."""
+    inp = _build(case)
+    dtype = DTYPES[case["dtype"]]
+    out, s, leaves, names = _run(case, inp, dtype, ours=True)
+    out_t, s_t, leaves_t, _ = _run(case, inp, dtype, ours=False)
+    out_64, s_64, leaves_64, _ = _run(case, inp, torch.float64, ours=False, src_dtype=dtype)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), out.dtype
+    assert out.shape == out_64.shape, (out.shape, out_64.shape)
+    _rule("value", out, out_t, out_64)
+    if not leaves:
+        return
+    gs = torch.autograd.grad(s, leaves)
+    gs_t = torch.autograd.grad(s_t, leaves_t)
+    gs_64 = torch.autograd.grad(s_64, leaves_64)
+    for name, go, gt, g64, leaf in zip(names, gs, gs_t, gs_64, leaves, strict=True):
+        assert go.dtype == leaf.dtype and go.shape == leaf.shape, name
+        _rule(name, go, gt, g64)
+
+
+def _check(case):
+    try:
+        run_case(case)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\ncase = {case!r}") from None
+
+
+@CI_SETTINGS
+@given(case=cases())
+def test_fuzz(case):
+    _check(case)
+
+
+# The cases fuzzing found (each failed before its fix), replayed on every run.
+_BASE = dict(n=7, v=1, d=17, lead="flat", layout="contiguous", scale=4.0, seed=3, softcap=None, upstream="random",
+             ignore_frac=0.3, ignore_index=-100, int32=False, bias=True, grads="all", w_layout="contiguous",
+             reduction="sum", label_smoothing=0.0, z_loss=0.0, class_weight=None, inplace=False)
+REGRESSIONS = [
+    # an empty (0, 1) batch: its class stride is not 1 and the Triton launcher failed a bare assertion
+    dict(_BASE, op="cross_entropy", backend="triton", dtype="float32", n=0),
+    # one class with a z-loss: p_t A - C cancelled the z-loss term (gradient error 1e-3, PyTorch's 1e-8)
+    dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", z_loss=1e-4),
+    dict(_BASE, op="cross_entropy", backend="triton", dtype="float32", z_loss=1e-4, label_smoothing=0.1, softcap=5.0),
+    dict(_BASE, op="linear_cross_entropy", backend="triton", dtype="float32", z_loss=1e-4),
+    # one class without a z-loss: the gradient is exactly 0, ours was ~1e-8 (a recomputed logit's rounding)
+    dict(_BASE, op="linear_cross_entropy", backend="triton", dtype="float16", label_smoothing=0.1),
+    dict(_BASE, op="cross_entropy", backend="triton", dtype="bfloat16", label_smoothing=0.1),
+    # a saturated softcap: 1 - tanh^2 cancelled (20x PyTorch's float32 error)
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=30.0, softcap=5.0,
+         ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=0),
+    # an unsaturated softcap: 1 / cosh^2 instead of PyTorch's 1 - tanh^2 made one cancelling sum 5x PyTorch's error
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=4.0, softcap=0.5,
+         ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=1),
+    # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
+    dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
+         reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
+]
+
+
+@pytest.mark.parametrize("case", REGRESSIONS)
+def test_fuzz_regressions(case):
+    _check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LOGITLESS_FUZZ_MINUTES"), reason="set LOGITLESS_FUZZ_MINUTES to fuzz longer")
+def test_fuzz_long():
+    """Fresh random examples (not derandomized) in rounds of SLOW_SETTINGS' count until the time is up."""
+    deadline = time.monotonic() + 60 * float(os.environ["LOGITLESS_FUZZ_MINUTES"])
+    rounds, failures = 0, []
+    while time.monotonic() < deadline:
+        try:
+            SLOW_SETTINGS(given(case=cases())(_check))()
+        except AssertionError as e:  # the round's minimal failing case; the next rounds go on looking
+            failures.append(str(e).split("Falsifying example")[0].strip())
+            print(failures[-1], flush=True)
+        rounds += 1
+    print(f"{rounds} rounds of up to {SLOW_SETTINGS.max_examples} examples, {len(failures)} failed", flush=True)
+    assert not failures, "\n\n".join(failures)
