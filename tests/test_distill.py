@@ -3,6 +3,7 @@ PyTorch's full-logits computation in the input dtype as the error yardstick (tes
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -283,3 +284,16 @@ def test_bad_inputs():
         kl(xs, ws, xt, wt, reduction="batchmean")
     with pytest.raises(TypeError, match="backend='triton' takes"):
         kl(xs.double(), ws.double(), xt.double(), wt.double(), backend="triton")
+
+
+def test_bench_distill_job(tmp_path):
+    # the bench's distill job: the correctness gate passes for ours and the eager peer, and the run is timed
+    from logitless.bench import cli as bench_cli
+
+    out = tmp_path / "out"
+    argv = ["--job", "distill", "--shape", "40,16,300", "--no-progress", "--budget", "0.01", "--min-reps", "1",
+            "--max-reps", "1", "--providers", "logitless-torch,torch-eager,floor", "--out", str(out), "--no-plots"]
+    assert bench_cli.main(argv) == 0
+    recs = json.loads((out / "results.json").read_text())["results"]
+    assert {r["provider"] for r in recs} == {"logitless-torch", "torch-eager", "floor"}
+    assert all(r["status"] == "ok" and r["phase_status"] == "ok" and r["phase"] == "fwd+bwd" for r in recs)
