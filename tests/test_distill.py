@@ -297,3 +297,14 @@ def test_bench_distill_job(tmp_path):
     recs = json.loads((out / "results.json").read_text())["results"]
     assert {r["provider"] for r in recs} == {"logitless-torch", "torch-eager", "floor"}
     assert all(r["status"] == "ok" and r["phase_status"] == "ok" and r["phase"] == "fwd+bwd" for r in recs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fkl", "rkl", "jsd", "ce"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tiles(case, dtype):
+    # the GPU's tiles and tensor descriptors, several token blocks, splits and vocabulary chunks, and the backward
+    # plan that borrows dW rows (V >= 2N)
+    tensors = [None if a is None else a.cuda() for a in make_pair(dtype, n=1031, ds=256, dt=192, v=32003)]
+    *tensors, t = tensors
+    check(case, tensors, "triton", target=t, temperature=1.3, softcap=20.0, reduction="sum")

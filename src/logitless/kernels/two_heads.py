@@ -296,6 +296,25 @@ def _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp):
     return args, strides, meta, dummy
 
 
+# Columns of dz per float32 product where torch has no matmul with a float32 output (torch < 2.8, see _products).
+_UPCAST_COLS = 1024
+
+
+def _products(dz, xs, wc, dw_rows, dx_acc, accumulate: bool) -> None:
+    """linear_head._products_torch (dW rows = dz^T x, dx_acc = or += dz wc, float32 reductions); where torch cannot
+    write a bfloat16/float16 product into a float32 output (torch < 2.8 on CUDA), dx_acc takes float32 products of
+    column slices of dz instead (slower, as exact)."""
+    if not (xs.is_cuda and xs.dtype != torch.float32 and not lh._MM_OUT_DTYPE) or dx_acc is None:
+        lh._products_torch(dz, xs, wc, dw_rows, dx_acc, accumulate)
+        return
+    lh._products_torch(dz, xs, wc, dw_rows, None, accumulate)
+    if not accumulate:
+        dx_acc.zero_()
+    for c0 in range(0, dz.shape[1], _UPCAST_COLS):
+        c1 = min(c0 + _UPCAST_COLS, dz.shape[1])
+        dx_acc.addmm_(dz[:, c0:c1].float(), wc[c0:c1].float())
+
+
 def _beta_logs(kind, beta):
     if kind != "jsd":
         return 0.0, 0.0
@@ -400,7 +419,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         dz_pass(v0, v1, dz, need_db)
         if need_dz:
             dw_rows = dw[v0:v1] if need_dw and v1 <= plan.dw_end else None
-            lh._products_torch(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
+            _products(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
             first = False
     if need_dx and plan.cast_dx:
         dx.copy_(plan.dx_acc)
@@ -412,7 +431,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             else:
                 dz = scratch_view(v1 - v0)
             dz_pass(v0, v1, dz, False)
-            lh._products_torch(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
+            _products(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
     return dx, dw, None if db is None else db.to(bs.dtype)
 
 
