@@ -12,7 +12,7 @@ import torch
 import logitless
 from logitless import distill
 
-from .helpers import DTYPES, assert_within_rule, grads, leaves
+from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
 
 # kind -> (public function, its extra keyword arguments); "jsd-0" / "jsd-1" are the edges of beta
 CASES = {
@@ -249,10 +249,11 @@ def test_jsd_is_bounded_and_symmetric_at_half():
     torch.testing.assert_close(ab, ba)
 
 
-def test_not_double_differentiable():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_not_double_differentiable(backend):
     xs, ws, _, xt, wt, _, _ = make_pair(torch.float32, n=5, v=20)
     x = xs.clone().requires_grad_()
-    (gx,) = torch.autograd.grad(logitless.linear_jsd(x, ws, xt, wt), x, create_graph=True)
+    (gx,) = torch.autograd.grad(logitless.linear_jsd(x, ws, xt, wt, backend=backend), x, create_graph=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         gx.sum().backward()
 
@@ -308,3 +309,16 @@ def test_gpu_tiles(case, dtype):
     tensors = [None if a is None else a.cuda() for a in make_pair(dtype, n=1031, ds=256, dt=192, v=32003)]
     *tensors, t = tensors
     check(case, tensors, "triton", target=t, temperature=1.3, softcap=20.0, reduction="sum")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_compile_fullgraph(backend):
+    # the PyTorch twin traces through; the Triton path is two opaque torch.library ops (with fake and autograd
+    # registrations): one graph either way, same loss and gradients as eager
+    xs, ws, bs, xt, wt, bt, t = make_pair(torch.float32, **TRITON_ODD)
+
+    def loss_fn(x, w, b, t):
+        return logitless.linear_jsd(x, w, xt, wt, beta=0.3, target=t, student_bias=b, teacher_bias=bt,
+                                    softcap=5.0, backend=backend)
+
+    assert_compiled_matches_eager(loss_fn, xs, ws, bs, t, compile_backend="aot_eager")

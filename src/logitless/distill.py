@@ -9,10 +9,11 @@ directions and the soft cross-entropy); the generalized JSD needs the normalised
 logarithm and makes a second pass. The backward recomputes both heads' tiles and forms the student's ``dL/dz`` per
 tile; only the student gets gradients (the teacher is treated as a constant, whatever its ``requires_grad``).
 
-Layers, as for the other ops: public functions (validation, dispatch, reduction) -> one autograd.Function per
-backend (``_TwoHeadsTorch``: the chunked PyTorch twin; ``_TwoHeadsTriton``: kernels/two_heads.py) -> per-row
-statistics -> ``row_loss``, shared by both backends. The ``naive_*`` functions at the bottom build full logits
-with PyTorch's own ops: ground truth for the tests (in float64) and the eager peer of the benchmark.
+Layers, as for the other ops: public functions (validation, dispatch, reduction) -> per backend an autograd
+node (``_TwoHeadsTorch``, the chunked PyTorch twin; the torch.library ops ``logitless::two_heads_loss`` and
+``logitless::two_heads_grad`` around kernels/two_heads.py) -> per-row statistics -> ``row_loss``, shared by both
+backends. The ``naive_*`` functions at the bottom build full logits with PyTorch's own ops: ground truth for the
+tests (in float64) and the eager peer of the benchmark.
 """
 
 from __future__ import annotations
@@ -307,35 +308,90 @@ class _TwoHeadsTorch(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-class _TwoHeadsTriton(torch.autograd.Function):
-    """The same through kernels/two_heads.py."""
+# The Triton path as two torch.library ops (torch.compile sees each as one opaque op): the per-row loss with the
+# statistics its backward needs, and the student's gradients.
 
-    @staticmethod
-    def forward(ctx, xs, ws, bs, a, kind, beta, softcap, inv_temp, workspace_bytes):
-        from .kernels import two_heads
+_LOSS_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor? bt, str kind, float beta, "
+                "float? softcap, float inv_temp, int? workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)")
+_GRAD_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor? bt, Tensor m_s, Tensor logs_s, "
+                "Tensor m_t, Tensor logs_t, Tensor R, Tensor g, str kind, float beta, float? softcap, "
+                "float inv_temp, bool need_dx, bool need_dw, bool need_db, int? workspace_bytes) "
+                "-> (Tensor, Tensor, Tensor)")
 
-        a = a._replace(xs=xs, ws=ws, bs=bs)
-        st = RowStats(*two_heads.forward_stats(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind=kind, beta=beta,
-                                               softcap=softcap, inv_temp=inv_temp))
-        loss, R = row_loss(kind, beta, st)
-        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, *st[:4], R)
-        ctx.opts = (kind, beta, softcap, inv_temp, workspace_bytes)
-        return loss
 
-    @staticmethod
-    @reference.first_order_only
-    def backward(ctx, g):
-        from .kernels import two_heads
+@torch.library.custom_op("logitless::two_heads_loss", mutates_args=(), schema=_LOSS_SCHEMA)
+def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+    """(per-row loss, m_s, logs_s, m_t, logs_t, R), each (N,) float32; R is the row term of the student's gradient
+    (zeros where the kind has none). workspace_bytes is for the backward."""
+    from .kernels import two_heads
 
-        xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R = ctx.saved_tensors
-        kind, beta, softcap, inv_temp, workspace_bytes = ctx.opts
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bs is not None and ctx.needs_input_grad[2]
-        dx, dw, db = two_heads.backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R,
-                                        g.float().contiguous(), kind=kind, beta=beta, softcap=softcap,
-                                        inv_temp=inv_temp, need_dx=need_x, need_dw=need_w, need_db=need_b,
-                                        workspace_bytes=workspace_bytes)
-        return dx, dw, db, None, None, None, None, None, None
+    bs = None if bs is None else bs.contiguous()  # the kernels read biases with unit stride
+    bt = None if bt is None else bt.contiguous()
+    st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
+                                           inv_temp=inv_temp))
+    loss, R = row_loss(kind, beta, st)
+    return loss, *(t.clone() for t in st[:4]), torch.zeros_like(loss) if R is None else R.clone()
+
+
+@_loss_op.register_fake
+def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+    return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(6))
+
+
+@torch.library.custom_op("logitless::two_heads_grad", mutates_args=(), schema=_GRAD_SCHEMA)
+def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
+             need_dw, need_db, workspace_bytes):
+    """(dx_s, dW_s, db_s) for the upstream per-row gradient g; a gradient not asked for is empty."""
+    from .kernels import two_heads
+
+    bs = None if bs is None else bs.contiguous()
+    bt = None if bt is None else bt.contiguous()
+    out = two_heads.backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g.float().contiguous(),
+                             kind=kind, beta=beta, softcap=softcap, inv_temp=inv_temp, need_dx=need_dx,
+                             need_dw=need_dw, need_db=need_db, workspace_bytes=workspace_bytes)
+    return tuple(t if t is not None else xs.new_empty(0) for t in out)
+
+
+@_grad_op.register_fake
+def _(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx, need_dw,
+      need_db, workspace_bytes):
+    dx = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_dx else xs.new_empty(0)
+    dw = torch.empty_like(ws, memory_format=torch.contiguous_format) if need_dw else xs.new_empty(0)
+    db = torch.empty_like(bs) if need_db and bs is not None else xs.new_empty(0)
+    return dx, dw, db
+
+
+def _loss_setup_context(ctx, inputs, output):
+    xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes = inputs
+    _, m_s, logs_s, m_t, logs_t, R = output
+    ctx.save_for_backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R)
+    ctx.opts = (kind, beta, softcap, inv_temp, workspace_bytes)
+    ctx.mark_non_differentiable(m_s, logs_s, m_t, logs_t, R)
+
+
+def _loss_backward(ctx, g, *_ignored):
+    xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R = ctx.saved_tensors
+    kind, beta, softcap, inv_temp, workspace_bytes = ctx.opts
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bs is not None and ctx.needs_input_grad[2]
+    if g is None or not (need_dx or need_dw or need_db):
+        return (None,) * 11
+    dx, dw, db = _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp,
+                          need_dx, need_dw, need_db, workspace_bytes)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 8
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(reference.NOT_DIFFERENTIABLE)
+
+
+torch.library.register_autograd("logitless::two_heads_loss", _loss_backward, setup_context=_loss_setup_context)
+torch.library.register_autograd("logitless::two_heads_grad", _no_double_backward, setup_context=_no_setup)
 
 
 def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None):
@@ -343,7 +399,8 @@ def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, o
     inv_temp = 1.0 / float(temperature)
     chosen = resolve_backend(backend, a.xs.device, op)
     if chosen == "triton" and check_kernel_dtype(a.xs, backend):
-        per_row = _TwoHeadsTriton.apply(a.xs, a.ws, a.bs, a, kind, beta, softcap, inv_temp, workspace_bytes)
+        per_row = _loss_op(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, float(beta), softcap, inv_temp,
+                           workspace_bytes)[0]
     else:
         per_row = _TwoHeadsTorch.apply(a.xs, a.ws, a.bs, a, kind, beta, softcap, inv_temp)
     return reduce_rows(per_row, a.valid, reduction, a.lead_shape)
