@@ -149,6 +149,8 @@ def score_batch(obs, perf, ids_list: list[list[int]], backend: str = "auto"):
     from .log_probs import linear_log_probs
 
     B, L = len(ids_list), max(len(ids) for ids in ids_list)
+    if L < 2:  # no document of the batch has a token to score: no model runs
+        return [(torch.zeros(0), torch.zeros(0)) for _ in ids_list]
     ids = torch.full((B, L), obs.pad, dtype=torch.long)
     mask = torch.zeros((B, L), dtype=torch.long)
     rows, cols, counts = [], [], []
