@@ -163,6 +163,13 @@ def test_triton_jsd_edges_and_sum():
         check(case, tensors, "triton", target=t, reduction="sum", temperature=0.5)
 
 
+def test_triton_extreme_logits():
+    # logits in the hundreds through the kernels' exp2 and online rescaling
+    *tensors, t = make_pair(torch.float32, scale=30.0, **TRITON_ODD)
+    for case in ("rkl", "jsd", "ce"):
+        check(case, tensors, "triton", target=t, reduction="sum")
+
+
 def test_triton_weight_gradient_only_and_input_only():
     # a frozen student head (input gradient only), or frozen hidden states (weight and bias only): other plans
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, **TRITON_SHAPE)
