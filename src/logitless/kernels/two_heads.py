@@ -7,9 +7,8 @@ heads are z = softcap(x W^T + b) * inv_temp; `kind` is one of distill.KINDS.
     forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp)
         -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks), each (N,) float32 or None (distill.RowStats): pass 1, one
            kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
-           sum_j e_a (z_a - m_a) and sum_j e_a (z_a - z_b) (rescaled as m_a grows). The JSD needs only the two
-           log-sum-exps first (linear_head.forward_stats, one head at a time), then pass 2 (the same kernel,
-           MODE 2) sums p_t (log p_t - log M) and p_s (log p_s - log M) with them.
+           sum_j e_a (z_a - m_a) and sum_j e_a (z_a - z_b) (rescaled as m_a grows); for the JSD, pass 2 (the same
+           kernel, MODE 2) sums p_t (log p_t - log M) and p_s (log p_s - log M) with the final log-sum-exps.
     backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
              need_dw, need_db, workspace_bytes=None)
         -> (dx_s | None, dW_s | None, db_s | None) for the per-row upstream gradient g (float32, 0 at ignored rows).
@@ -83,12 +82,19 @@ def _two_tiles(
 
 
 @triton.jit
+def _log1p(u):
+    # log(1 + u) for u in [0, 1]: log(1 + u) loses u entirely below float32's epsilon, and with it the JSD
+    # gradient's small differences where one head is nearly one-hot; u (1 - u/2 + u^2/3) is exact to 1e-9 there.
+    return tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u * 0.3333333333333333)), tl.log(1.0 + u))
+
+
+@triton.jit
 def _log_mix(lt, ls, log_beta, log_1mb):
     # log(beta p_t + (1 - beta) p_s) from the log-probabilities: a log-sum-exp of two terms.
     a = lt + log_beta
     b = ls + log_1mb
     hi = tl.maximum(a, b)
-    return hi + tl.log(1.0 + lh._exp(tl.minimum(a, b) - hi))
+    return hi + _log1p(lh._exp(tl.minimum(a, b) - hi))
 
 
 @triton.jit
@@ -341,21 +347,13 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     lb, l1 = _beta_logs(kind, beta)
     grid = (n_blocks * n_splits,)
     opts = (float(softcap or 1.0), float(inv_temp), lb, l1)
-    if kind == "jsd":
-        # Pass 1 needs only each head's log-sum-exp: the single-head forward (its tuned tiles, one head at a time).
-        stats = []
-        for x, w, b in ((xs, ws, bs), (xt, wt, bt)):
-            m, logs = lh.forward_stats(x, w, None if b is None else b.contiguous(), None, None, softcap=softcap,
-                                       inv_temp=inv_temp, want_smooth=False, want_entropy=False)[:2]
-            stats += [m, logs]
-        part2 = lh._new((2, n_splits, N), **f32)
-        _two_fwd_kernel[grid](*args, torch.stack(stats), part2, N, V, Ds, xt.shape[1], n_splits, per, *strides,
-                              *opts, MODE=2, WEIGHT_S=False, EVEN_V=V % cfg.block_v == 0, **meta)
-        kt, ks = part2.sum(1).unbind(0)
-        return (*stats, None, None, kt, ks)
     part = lh._new((6, n_splits, N), **f32)
+    # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
+    # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
+    # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
+    # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
     _two_fwd_kernel[grid](*args, dummy, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
-                          MODE=_MODES[kind], WEIGHT_S=kind == "rkl", EVEN_V=V % cfg.block_v == 0, **meta)
+                          MODE=0, WEIGHT_S=kind == "rkl", EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
     m_s, s_s, m_t, s_t, ent, d_a = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
@@ -366,7 +364,14 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     w = sc_a * s_a
     ent = (sc_a * ent + torch.where(w > 0, w * (m_a - big_a), 0.0)).sum(0)
     d_a = (sc_a * d_a).sum(0)
-    return big_s, torch.log(S_s), big_t, torch.log(S_t), ent / S_a, d_a / S_a, None, None
+    logs_s, logs_t = torch.log(S_s), torch.log(S_t)
+    if kind != "jsd":
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None
+    part2 = lh._new((2, n_splits, N), **f32)
+    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
+                          n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, EVEN_V=V % cfg.block_v == 0, **meta)
+    kt, ks = part2.sum(1).unbind(0)
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
