@@ -246,8 +246,13 @@ def _liger(job: str, accum_dtype=None) -> Callable:
 def _liger_jsd(job: str) -> Callable:
     from liger_kernel.transformers import LigerFusedLinearJSD
 
-    mod = LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0)  # Liger's jsd_beta = our beta
-    return lambda x, w, xt, wt, t: mod(x, w, xt, wt, t)
+    # Liger's jsd_beta is our beta. Older releases take no ignore_index and no labels (the job's targets ignore
+    # no row, so the loss is the same).
+    kw = {"ignore_index": -100} if "ignore_index" in inspect.signature(LigerFusedLinearJSD).parameters else {}
+    mod = LigerFusedLinearJSD(jsd_beta=0.5, temperature=1.0, **kw)
+    if "shift_labels" in inspect.signature(mod.forward).parameters:
+        return lambda x, w, xt, wt, t: mod(x, w, xt, wt, t)
+    return lambda x, w, xt, wt, t: mod(x, w, xt, wt)
 
 
 def _cce(impl: str, job: str, **kw) -> Callable:
