@@ -108,16 +108,16 @@ def _two_fwd_kernel(
     # options
     softcap, inv_temp, log_beta, log_1mb,
     # meta-parameters
-    MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a] of the split's tiles, with
     # a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
-    # d_a = sum e_a (z_a - z_b). MODE 2 (the JSD's pass 2): partials [kt, ks] from stats_ptr's (4, N) final
-    # (m_s, logs_s, m_t, logs_t).
+    # d_a = sum e_a (z_a - z_b), each only where asked for (HAS_ENT, HAS_D; 0 otherwise). MODE 2 (the JSD's pass
+    # 2): partials [kt, ks] from stats_ptr's (4, N) final (m_s, logs_s, m_t, logs_t).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, split = lh._grouped(pid, n_blocks, n_splits, GROUP)
@@ -183,8 +183,10 @@ def _two_fwd_kernel(
             da = za - ma_new[:, None]
             e = lh._exp(da)
             live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
-            ent = lh._rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
-            d_a = alpha * d_a + tl.sum(tl.where(live, e * (za - zb), 0.0), axis=1)
+            if HAS_ENT:
+                ent = lh._rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
+            if HAS_D:
+                d_a = alpha * d_a + tl.sum(tl.where(live, e * (za - zb), 0.0), axis=1)
             s_a = s_a * alpha + tl.sum(e, axis=1)
             m_a = ma_new
             mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
@@ -353,7 +355,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
     _two_fwd_kernel[grid](*args, dummy, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
-                          MODE=0, WEIGHT_S=kind == "rkl", EVEN_V=V % cfg.block_v == 0, **meta)
+                          MODE=0, WEIGHT_S=kind == "rkl", HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
+                          EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
     m_s, s_s, m_t, s_t, ent, d_a = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
@@ -369,7 +372,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
         return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None
     part2 = lh._new((2, n_splits, N), **f32)
     _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
-                          n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, EVEN_V=V % cfg.block_v == 0, **meta)
+                          n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
+                          EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2.sum(1).unbind(0)
     return big_s, logs_s, big_t, logs_t, None, None, kt, ks
 
