@@ -43,6 +43,9 @@ _GPU_CONFIG = lh.Config(128, 128, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8, 128, tma=T
 _GPU_CONFIG_FP32 = lh.Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 _INTERPRETER_CONFIG = lh.Config(16, 32, 16, 1, 1, 32, 32, 32, 1, 1, 2, 4, 32, tma=True, wide=96)
 CONFIG_OVERRIDE: lh.Config | None = None
+# The dz kernel's tiles (block_n, block_v, block_k, warps, stages) when they differ from the forward's; None: the
+# forward's, with dz_block_v classes. A sweep sets this.
+DZ_OVERRIDE: tuple[int, int, int, int, int] | None = None
 
 
 def _config(x: torch.Tensor) -> lh.Config:
@@ -55,6 +58,16 @@ def _config(x: torch.Tensor) -> lh.Config:
     if not lh.cuda_facts(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]:
         return _GPU_CONFIG._replace(tma=False)
     return _GPU_CONFIG
+
+
+def _dz_config(x: torch.Tensor) -> lh.Config:
+    """The backward's config: the dz kernel's tiles in the forward fields (block_n, block_v, block_k, fwd_warps,
+    fwd_stages), which the memory plan also reads (chunks rounded to dz tiles)."""
+    cfg = _config(x)
+    if DZ_OVERRIDE is not None and x.device.type == "cuda":
+        bn, bv, bk, warps, stages = DZ_OVERRIDE
+        return cfg._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv)
+    return cfg._replace(block_v=cfg.dz_block_v)
 
 
 _MODES = {"fkl": 0, "ce": 0, "rkl": 1, "jsd": 2}
@@ -392,7 +405,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             if t is not None:
                 t.zero_()
         return dx, dw, None if db is None else db.to(bs.dtype)
-    cfg = _config(xs)
+    cfg = _dz_config(xs)
     ws_plan = lh._workspace(N, D, xs.element_size(), workspace_bytes)
     plan = lh._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
     args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
