@@ -7,7 +7,8 @@ Prints, for bf16 lm-like heads (the student's and a related teacher's): one cuBL
 tile kernel can hope for), the single-head forward and backward kernels, a per-kernel profile of one fwd+bwd of the
 single-head cross-entropy and of the forward KL, then the two-head forward (pass 1 of the KL, both passes of the
 JSD) and backward (dz kernel + cuBLAS gradient products) for each tile config given (block_n, block_v, block_k,
-warps, stages). Times are medians of CUDA-event timings; products are counted as 2 N V D FLOP each.
+warps, stages; a trailing ",f": both heads' products in one loop). Times are medians of CUDA-event timings;
+products are counted as 2 N V D FLOP each.
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ import statistics
 import torch
 
 import logitless
+from logitless import distill
 from logitless.bench import cases, data
 from logitless.kernels import linear_head as lh
 from logitless.kernels import two_heads
 
-_FWD = ["128,128,64,8,3", "128,128,64,8,4", "128,128,128,8,2", "64,256,64,8,3", "128,256,64,16,3",
-        "256,128,64,16,3", "64,128,64,4,3"]
-_DZ = ["128,128,64,8,3", "128,128,64,8,4", "64,256,64,8,3", "128,256,64,16,3", "256,128,64,16,3"]
+_FWD = ["128,128,64,8,4", "128,128,64,8,5", "64,256,64,8,4", "64,256,64,8,5"]
+_DZ = ["128,128,64,8,4", "128,128,64,8,5", "64,256,64,8,4", "128,128,64,8,3,f"]
+
+
+def _spec(spec):
+    """'block_n,block_v,block_k,warps,stages[,f]' -> the five numbers, and whether the heads share one loop."""
+    parts = spec.split(",")
+    return tuple(int(a) for a in parts[:5]), parts[5:] == ["f"]
 
 
 def _ms(fn, reps):
@@ -61,6 +68,37 @@ def _profile(name, fn, top=8):
         print(f"    {t:8.2f} ms  x{c:<4d} {k[:90]}")
 
 
+def _resources(kernel):
+    # (registers, spills, shared bytes) of each compiled variant of a Triton kernel (Triton 3.x caches)
+    out = []
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for ck in cache[0].values():
+            out.append((getattr(ck, "n_regs", None), getattr(ck, "n_spills", None),
+                        getattr(ck.metadata, "shared", None)))
+    return out
+
+
+def _kinds(xs, ws, xt, wt, g, reps, rate):
+    for kind in ("fkl", "rkl", "ce", "jsd"):
+        def fwd(kind=kind):
+            return two_heads.forward_stats(xs, ws, None, xt, wt, None, kind=kind, beta=0.5, softcap=None,
+                                           inv_temp=1.0)
+        st = fwd()
+        R = distill.row_loss(kind, 0.5, distill.RowStats(*st))[1]
+        line = f"{kind:4s} forward {rate(_ms(fwd, reps), 4 if kind == 'jsd' else 2)}"
+        for tma in (True, False):
+            two_heads.DZ_STORE_TMA = tma
+
+            def bwd(kind=kind, st=st, R=R):
+                return two_heads.backward(xs, ws, None, xt, wt, None, *st[:4], R, g, kind=kind, beta=0.5,
+                                          softcap=None, inv_temp=1.0, need_dx=True, need_dw=True, need_db=False)
+            line += f" | backward dz-tma={int(tma)} {_ms(bwd, reps):8.2f} ms"
+        two_heads.DZ_STORE_TMA = True
+        print(line)
+    print("fwd kernel (regs, spills, smem):", _resources(two_heads._two_fwd_kernel))
+    print("dz kernel (regs, spills, smem):", _resources(two_heads._two_dz_kernel))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8192,2304,256000", help="N,D,V")
@@ -68,6 +106,8 @@ def main():
     ap.add_argument("--fwd", nargs="*", default=_FWD)
     ap.add_argument("--dz", nargs="*", default=_DZ)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--kinds", action="store_true", help="per kind: forward and backward at the default tiles, "
+                    "with the dz kernel's descriptor store on and off, and the kernels' registers and spills")
     args = ap.parse_args()
     n, d, v = (int(a) for a in args.shape.split(","))
     head = data.make_head("lm", n, d, v, dtype=torch.bfloat16, device="cuda", seed=0)
@@ -99,13 +139,15 @@ def main():
         _profile("jsd fwd+bwd", lambda: logitless.linear_jsd(x1, w1, xt, wt, target=t).backward())
         del x1, w1
     g = torch.ones(n, device="cuda")
+    if args.kinds:
+        _kinds(xs, ws, xt, wt, g, args.reps, rate)
     base = two_heads._config(xs)
     st = None
     for spec in args.fwd:
-        bn, bv, bk, warps, stages = (int(a) for a in spec.split(","))
+        (bn, bv, bk, warps, stages), two_heads.FUSED_K = _spec(spec)
         two_heads.CONFIG_OVERRIDE = base._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps,
                                                   fwd_stages=stages, dz_block_v=bv)
-        two_heads.DZ_OVERRIDE = (128, 128, 64, 8, 3)
+        two_heads.DZ_OVERRIDE = (128, 128, bk, 8, 3)
         try:
             kl = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5,
                                                      softcap=None, inv_temp=1.0), args.reps)
@@ -115,12 +157,15 @@ def main():
         except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is a result too)
             print(f"two-head forward {spec:16s} failed: {type(e).__name__}: {str(e)[:120]}")
         if st is None:
+            two_heads.FUSED_K = False
             st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None,
                                          inv_temp=1.0)
     two_heads.CONFIG_OVERRIDE = None
+    if st is None:
+        st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None, inv_temp=1.0)
     m_s, logs_s, m_t, logs_t = st[:4]
     for spec in args.dz:
-        two_heads.DZ_OVERRIDE = tuple(int(a) for a in spec.split(","))
+        two_heads.DZ_OVERRIDE, two_heads.FUSED_K = _spec(spec)
 
         def bwd2():
             return two_heads.backward(xs, ws, None, xt, wt, None, m_s, logs_s, m_t, logs_t, None, g, kind="fkl",

@@ -39,13 +39,17 @@ from ._common import LOG2E, cdiv
 # would need every register of the thread for the accumulators alone). Not tuned on a GPU yet: CONFIG_OVERRIDE
 # lets a sweep try others. Fields as linear_head.Config (block_n, block_v, block_k, warps, stages of the forward
 # and dz kernels; group; wide: the widest first-pass chunk of the backward).
-_GPU_CONFIG = lh.Config(128, 128, 64, 8, 3, 128, 256, 64, 8, 4, 8, 8, 128, tma=True, wide=8192)
+_GPU_CONFIG = lh.Config(128, 128, 64, 8, 4, 128, 256, 64, 8, 4, 8, 8, 128, tma=True, wide=8192)
 _GPU_CONFIG_FP32 = lh.Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 _INTERPRETER_CONFIG = lh.Config(16, 32, 16, 1, 1, 32, 32, 32, 1, 1, 2, 4, 32, tma=True, wide=96)
 CONFIG_OVERRIDE: lh.Config | None = None
 # The dz kernel's tiles (block_n, block_v, block_k, warps, stages) when they differ from the forward's; None: the
 # forward's, with dz_block_v classes. A sweep sets this.
 DZ_OVERRIDE: tuple[int, int, int, int, int] | None = None
+# The dz kernel writes its tiles through a tensor descriptor (the copy engine) where the operands use them.
+DZ_STORE_TMA = True
+# Both heads' products in one reduction loop where they have one width and use descriptors (_two_tiles).
+FUSED_K = False
 
 
 def _config(x: torch.Tensor) -> lh.Config:
@@ -80,16 +84,31 @@ def _two_tiles(
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
     """Both heads' transformed logits [BLOCK_N, BLOCK_V] at (row0, col0), the student's before the temperature
-    (for the softcap's derivative), and the column mask."""
+    (for the softcap's derivative), and the column mask. FUSED (tensor descriptors, Ds == Dt): both products in
+    one reduction loop, one software pipeline per tile instead of one per head."""
     cols = col0 + tl.arange(0, BLOCK_V)
     col_ok = cols < V
-    acc_s = lh._logits_tile(xs_ptr, ws_ptr, xs_ptr, row0, col0, N, V, Ds, sxs_n, sxs_d, sws_v, sws_d, False,
-                            BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
+    if FUSED:
+        acc_s = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        r0 = row0.to(tl.int32)
+        c0 = col0.to(tl.int32)
+        for k in range(0, tl.cdiv(Ds, BLOCK_K)):
+            a = xs_ptr.load([r0, k * BLOCK_K])
+            b = ws_ptr.load([c0, k * BLOCK_K])
+            acc_s = lh._mma(a, tl.trans(b), acc_s, DOT_PRECISION, UPCAST)
+            a2 = xt_ptr.load([r0, k * BLOCK_K])
+            b2 = wt_ptr.load([c0, k * BLOCK_K])
+            acc_t = lh._mma(a2, tl.trans(b2), acc_t, DOT_PRECISION, UPCAST)
+    else:
+        acc_s = lh._logits_tile(xs_ptr, ws_ptr, xs_ptr, row0, col0, N, V, Ds, sxs_n, sxs_d, sws_v, sws_d, False,
+                                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
+        acc_t = lh._logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
+                                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
     zs, zcs = lh._transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
-    acc_t = lh._logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
-                            BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
     zt, _ = lh._transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
     return zs, zt, zcs, col_ok
 
@@ -102,12 +121,14 @@ def _log1p(u):
 
 
 @triton.jit
-def _log_mix(lt, ls, log_beta, log_1mb):
-    # log(beta p_t + (1 - beta) p_s) from the log-probabilities: a log-sum-exp of two terms.
-    a = lt + log_beta
-    b = ls + log_1mb
-    hi = tl.maximum(a, b)
-    return hi + _log1p(lh._exp(tl.minimum(a, b) - hi))
+def _minus_log_mix(ls, lt, log_beta, log_1mb):
+    # (log p_s - log M, log p_t - log M) for M = beta p_t + (1 - beta) p_s. With a = log p_t + log beta,
+    # b = log p_s + log(1 - beta) and d = a - b, log M = max(a, b) + log1p(e^-|d|), so each difference is a
+    # constant, a clamp of d and that log1p: no difference of large numbers, and d the only tile the two share
+    # (the JSD's pass 2 spilled holding a, b, log M and both heads' log-probabilities at once).
+    d = (lt + log_beta) - (ls + log_1mb)
+    l1p = _log1p(lh._exp(-tl.abs(d)))
+    return -log_1mb - tl.maximum(d, 0.0) - l1p, tl.minimum(d, 0.0) - log_beta - l1p
 
 
 @triton.jit
@@ -125,7 +146,7 @@ def _two_fwd_kernel(
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
 ):
     # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a] of the split's tiles, with
     # a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
@@ -155,16 +176,16 @@ def _two_fwd_kernel(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-                DOT_PRECISION, UPCAST, USE_TMA)
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
             ls = (zs - ms[:, None]) - lss[:, None]
             lt = (zt - mt[:, None]) - lst[:, None]
-            lm = _log_mix(lt, ls, log_beta, log_1mb)
+            ds, dt = _minus_log_mix(ls, lt, log_beta, log_1mb)
             ps = lh._exp(ls)
             pt = lh._exp(lt)
             ok = col_ok[None, :] & (ps > 0)
-            ks += tl.sum(tl.where(ok, ps * (ls - lm), 0.0), axis=1)
+            ks += tl.sum(tl.where(ok, ps * ds, 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
-            kt += tl.sum(tl.where(ok, pt * (lt - lm), 0.0), axis=1)
+            kt += tl.sum(tl.where(ok, pt * dt, 0.0), axis=1)
             col0 += BLOCK_V
         tl.store(out, kt, mask=row_ok)
         tl.store(out + n_splits * N, ks, mask=row_ok)
@@ -181,7 +202,7 @@ def _two_fwd_kernel(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-                DOT_PRECISION, UPCAST, USE_TMA)
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
             if WEIGHT_S:
                 za = zs
                 zb = zt
@@ -233,10 +254,10 @@ def _two_dz_kernel(
     softcap, inv_temp, log_beta, log_1mb, scale,
     # meta-parameters
     MODE: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED: tl.constexpr,
 ):
     # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
     # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - R); MODE 2: scale p_s (log p_s - log M - R).
@@ -254,7 +275,7 @@ def _two_dz_kernel(
         xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, v_end, Ds, Dt,
         sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
         HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-        DOT_PRECISION, UPCAST, USE_TMA)
+        DOT_PRECISION, UPCAST, USE_TMA, FUSED)
     ms = tl.load(stats_ptr + rows_in)
     lss = tl.load(stats_ptr + N + rows_in)
     mt = tl.load(stats_ptr + 2 * N + rows_in)
@@ -270,7 +291,8 @@ def _two_dz_kernel(
         if MODE == 1:
             inner = ls - lt - r[:, None]
         else:
-            inner = ls - _log_mix(lt, ls, log_beta, log_1mb) - r[:, None]
+            ds, _ = _minus_log_mix(ls, lt, log_beta, log_1mb)
+            inner = ds - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
@@ -280,8 +302,13 @@ def _two_dz_kernel(
         gz = gz * (1.0 - u * u)
     ok = row_ok[:, None] & col_ok[None, :]
     if STORE_DZ:
-        offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
-        tl.store(dz_ptr + (row0 * stride_dz + lcol0) + offs, lh._cast(gz, dz_ptr.dtype.element_ty, UPCAST), mask=ok)
+        if DZ_TMA:
+            # dz_ptr: a descriptor of the chunk's (N, v_end - v_begin) dz; the copy engine drops what falls past it.
+            dz_ptr.store([row0.to(tl.int32), lcol0.to(tl.int32)], lh._cast(gz, dz_ptr.dtype, UPCAST))
+        else:
+            offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
+            tl.store(dz_ptr + (row0 * stride_dz + lcol0) + offs, lh._cast(gz, dz_ptr.dtype.element_ty, UPCAST),
+                     mask=ok)
     if HAS_DB:
         lcols = lcol0 + tl.arange(0, BLOCK_V)
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(tl.where(ok, gz, 0.0), axis=0),
@@ -314,7 +341,8 @@ def _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp):
     meta = dict(HAS_BS=bs is not None, HAS_BT=bt is not None, HAS_SOFTCAP=softcap is not None,
                 HAS_TEMP=inv_temp != 1.0, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
                 GROUP=cfg.group, EVEN_KS=xs.shape[1] % cfg.block_k == 0, EVEN_KT=xt.shape[1] % cfg.block_k == 0,
-                **lh._dot_flags(xs), USE_TMA=tma, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+                **lh._dot_flags(xs), USE_TMA=tma, FUSED=bool(FUSED_K and tma and xs.shape[1] == xt.shape[1]),
+                num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return args, strides, meta, dummy
 
 
@@ -425,12 +453,16 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
 
     def dz_pass(v0, v1, dz, with_db):
         store = dz is not None
+        dz_tma = store and DZ_STORE_TMA and meta["USE_TMA"] and lh._tma_ok(dz)
+        dz_arg = dz
+        if dz_tma:
+            dz_arg = lh.TensorDescriptor.from_tensor(dz, [cfg.block_n, cfg.block_v])
         dbp = lh._new((n_blocks, v1 - v0), **f32) if with_db else None
         _two_dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.block_v),)](
-            *args, stats, R if R is not None else dummy, g, dz if store else dummy, dbp if with_db else dummy,
+            *args, stats, R if R is not None else dummy, g, dz_arg if store else dummy, dbp if with_db else dummy,
             N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
             float(softcap or 1.0), float(inv_temp), lb, l1, scale,
-            MODE=mode, STORE_DZ=store, HAS_DB=with_db, **meta)
+            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, **meta)
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
