@@ -121,14 +121,12 @@ def _log1p(u):
 
 
 @triton.jit
-def _minus_log_mix(ls, lt, log_beta, log_1mb):
-    # (log p_s - log M, log p_t - log M) for M = beta p_t + (1 - beta) p_s. With a = log p_t + log beta,
-    # b = log p_s + log(1 - beta) and d = a - b, log M = max(a, b) + log1p(e^-|d|), so each difference is a
-    # constant, a clamp of d and that log1p: no difference of large numbers, and d the only tile the two share
-    # (the JSD's pass 2 spilled holding a, b, log M and both heads' log-probabilities at once).
-    d = (lt + log_beta) - (ls + log_1mb)
-    l1p = _log1p(lh._exp(-tl.abs(d)))
-    return -log_1mb - tl.maximum(d, 0.0) - l1p, tl.minimum(d, 0.0) - log_beta - l1p
+def _log_mix(lt, ls, log_beta, log_1mb):
+    # log(beta p_t + (1 - beta) p_s) from the log-probabilities: a log-sum-exp of two terms.
+    a = lt + log_beta
+    b = ls + log_1mb
+    hi = tl.maximum(a, b)
+    return hi + _log1p(lh._exp(tl.minimum(a, b) - hi))
 
 
 @triton.jit
@@ -179,13 +177,13 @@ def _two_fwd_kernel(
                 DOT_PRECISION, UPCAST, USE_TMA, FUSED)
             ls = (zs - ms[:, None]) - lss[:, None]
             lt = (zt - mt[:, None]) - lst[:, None]
-            ds, dt = _minus_log_mix(ls, lt, log_beta, log_1mb)
+            lm = _log_mix(lt, ls, log_beta, log_1mb)
             ps = lh._exp(ls)
             pt = lh._exp(lt)
             ok = col_ok[None, :] & (ps > 0)
-            ks += tl.sum(tl.where(ok, ps * ds, 0.0), axis=1)
+            ks += tl.sum(tl.where(ok, ps * (ls - lm), 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
-            kt += tl.sum(tl.where(ok, pt * dt, 0.0), axis=1)
+            kt += tl.sum(tl.where(ok, pt * (lt - lm), 0.0), axis=1)
             col0 += BLOCK_V
         tl.store(out, kt, mask=row_ok)
         tl.store(out + n_splits * N, ks, mask=row_ok)
@@ -291,8 +289,7 @@ def _two_dz_kernel(
         if MODE == 1:
             inner = ls - lt - r[:, None]
         else:
-            ds, _ = _minus_log_mix(ls, lt, log_beta, log_1mb)
-            inner = ds - r[:, None]
+            inner = ls - _log_mix(lt, ls, log_beta, log_1mb) - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
