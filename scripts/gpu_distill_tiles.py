@@ -7,8 +7,8 @@ Prints, for bf16 lm-like heads (the student's and a related teacher's): one cuBL
 tile kernel can hope for), the single-head forward and backward kernels, a per-kernel profile of one fwd+bwd of the
 single-head cross-entropy and of the forward KL, then the two-head forward (pass 1 of the KL, both passes of the
 JSD) and backward (dz kernel + cuBLAS gradient products) for each tile config given (block_n, block_v, block_k,
-warps, stages; a trailing ",f": both heads' products in one loop). Times are medians of CUDA-event timings;
-products are counted as 2 N V D FLOP each.
+warps, stages; then ",f": both heads' products in one loop; ",gG": programs grouped by G token blocks). Times
+are medians of CUDA-event timings; products are counted as 2 N V D FLOP each.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ _DZ = ["128,128,64,8,4", "128,128,64,8,5", "64,256,64,8,4", "128,128,64,8,3,f"]
 
 
 def _spec(spec):
-    """'block_n,block_v,block_k,warps,stages[,f]' -> the five numbers, and whether the heads share one loop."""
+    """'block_n,block_v,block_k,warps,stages[,f][,gG]' -> the five numbers, whether the heads share one loop, and
+    the program group (None: the default's)."""
     parts = spec.split(",")
-    return tuple(int(a) for a in parts[:5]), parts[5:] == ["f"]
+    group = next((int(p[1:]) for p in parts[5:] if p.startswith("g")), None)
+    return tuple(int(a) for a in parts[:5]), "f" in parts[5:], group
 
 
 def _ms(fn, reps):
@@ -144,9 +146,9 @@ def main():
     base = two_heads._config(xs)
     st = None
     for spec in args.fwd:
-        (bn, bv, bk, warps, stages), two_heads.FUSED_K = _spec(spec)
+        (bn, bv, bk, warps, stages), two_heads.FUSED_K, group = _spec(spec)
         two_heads.CONFIG_OVERRIDE = base._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps,
-                                                  fwd_stages=stages, dz_block_v=bv)
+                                                  fwd_stages=stages, dz_block_v=bv, group=group or base.group)
         two_heads.DZ_OVERRIDE = (128, 128, bk, 8, 3)
         try:
             kl = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5,
@@ -165,7 +167,8 @@ def main():
         st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None, inv_temp=1.0)
     m_s, logs_s, m_t, logs_t = st[:4]
     for spec in args.dz:
-        two_heads.DZ_OVERRIDE, two_heads.FUSED_K = _spec(spec)
+        two_heads.DZ_OVERRIDE, two_heads.FUSED_K, group = _spec(spec)
+        two_heads.CONFIG_OVERRIDE = base._replace(group=group or base.group)
 
         def bwd2():
             return two_heads.backward(xs, ws, None, xt, wt, None, m_s, logs_s, m_t, logs_t, None, g, kind="fkl",
@@ -177,6 +180,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"two-head backward {spec:15s} failed: {type(e).__name__}: {str(e)[:120]}")
     two_heads.DZ_OVERRIDE = None
+    two_heads.CONFIG_OVERRIDE = None
 
 
 if __name__ == "__main__":

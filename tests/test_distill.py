@@ -11,6 +11,7 @@ import torch
 
 import logitless
 from logitless import distill
+from logitless.kernels import two_heads
 
 from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
 
@@ -154,6 +155,14 @@ def test_triton_all_options(case, dtype):
 def test_triton_odd_sizes_plain(case):
     *tensors, _ = make_pair(torch.bfloat16, bias=False, **TRITON_ODD)
     check(case, tensors, "triton", reduction="mean")
+
+
+@pytest.mark.parametrize("case", ["fkl", "jsd"])
+def test_triton_fused_reduction_loop(case, monkeypatch):
+    # both heads' products in one loop (a sweep option): heads of one width, tensor descriptors
+    monkeypatch.setattr(two_heads, "FUSED_K", True)
+    *tensors, t = make_pair(torch.bfloat16, n=21, ds=24, dt=24, v=70)
+    check(case, tensors, "triton", target=t, softcap=4.0, reduction="none")
 
 
 def test_triton_jsd_edges_and_sum():

@@ -36,9 +36,11 @@ from . import linear_head as lh
 from ._common import LOG2E, cdiv
 
 # Two accumulators of logits are live at once, so the tiles are half the single-head forward's (128 x 256 fp32
-# would need every register of the thread for the accumulators alone). Not tuned on a GPU yet: CONFIG_OVERRIDE
-# lets a sweep try others. Fields as linear_head.Config (block_n, block_v, block_k, warps, stages of the forward
-# and dz kernels; group; wide: the widest first-pass chunk of the backward).
+# would need every register of the thread for the accumulators alone). H100 sweep (docs/distill.md): 4 stages
+# against 3 made the forward 15% and the backward 8% faster; 5-6 stages, 64 x 256, block_k 32 or 128, 16 warps and
+# both heads in one reduction loop were no faster. CONFIG_OVERRIDE / DZ_OVERRIDE let a sweep try others. Fields as
+# linear_head.Config (block_n, block_v, block_k, warps, stages of the forward and dz kernels; group; wide: the
+# widest first-pass chunk of the backward).
 _GPU_CONFIG = lh.Config(128, 128, 64, 8, 4, 128, 256, 64, 8, 4, 8, 8, 128, tma=True, wide=8192)
 _GPU_CONFIG_FP32 = lh.Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
 _INTERPRETER_CONFIG = lh.Config(16, 32, 16, 1, 1, 32, 32, 32, 1, 1, 2, 4, 32, tma=True, wide=96)
