@@ -1,6 +1,7 @@
 """logitless: losses and log-probabilities at the head of a language model without the N x V logits tensor."""
 
 from .cross_entropy import cross_entropy
+from .distill import linear_jsd, linear_kl_div, linear_soft_cross_entropy
 from .integrations.hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs, linear_logsumexp
@@ -13,8 +14,11 @@ __all__ = [
     "LinearCrossEntropyLoss",
     "cross_entropy",
     "linear_cross_entropy",
+    "linear_jsd",
+    "linear_kl_div",
     "linear_log_probs",
     "linear_logsumexp",
+    "linear_soft_cross_entropy",
     "patch",
     "unpatch",
 ]

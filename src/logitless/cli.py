@@ -9,6 +9,7 @@ import sys
 _COMMANDS = {
     "bench": ("logitless.bench.cli", "speed and memory of every provider, side by side"),
     "score": ("logitless.score", "per-token log-probs, NLL and perplexity of text under a local HF causal LM"),
+    "detect": ("logitless.detect", "Binoculars score (observer NLL / cross-entropy to a performer) of text"),
 }
 
 

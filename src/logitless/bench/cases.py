@@ -7,6 +7,9 @@ A *case* is one (job, shape, dtype, data kind). Each job is timed in one or two 
   logprobs  per-token log p(target) of a linear head: "no-grad" (scoring) and "fwd+bwd" (with gradients,
             upstream gradient a fixed random vector, as in RL fine-tuning).
   ce        cross_entropy on logits that already exist (N x V in the benchmark dtype), mean: "fwd+bwd".
+  distill   linear_jsd(input, linear_weight, teacher_input, teacher_weight, beta=0.5), the symmetric JSD between a
+            student head and a teacher head of the same shape, mean over tokens: "fwd+bwd" (gradients to the
+            student). Opt-in (--job distill): not part of the default run.
 
 The first phase of each job is its headline: the one the plots show and the progress bar names.
 """
@@ -20,10 +23,15 @@ import torch
 
 from . import data
 
+# The jobs that run when no --job is given, and those that run only when named.
 JOBS = ("train", "logprobs", "ce")
-PHASES = {"train": ("fwd+bwd", "no-grad"), "logprobs": ("no-grad", "fwd+bwd"), "ce": ("fwd+bwd",)}
+OPT_IN_JOBS = ("distill",)
+ALL_JOBS = JOBS + OPT_IN_JOBS
+PHASES = {"train": ("fwd+bwd", "no-grad"), "logprobs": ("no-grad", "fwd+bwd"), "ce": ("fwd+bwd",),
+          "distill": ("fwd+bwd",)}
 # Which public op serves the job: the backend that "auto" picks for this op is "ours" in the ratios.
-JOB_OP = {"train": "linear_cross_entropy", "logprobs": "linear_log_probs", "ce": "cross_entropy"}
+JOB_OP = {"train": "linear_cross_entropy", "logprobs": "linear_log_probs", "ce": "cross_entropy",
+          "distill": "linear_jsd"}
 
 # (N tokens, D hidden, V vocabulary) of real models' heads, at a typical tokens-per-step.
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -47,8 +55,9 @@ GPU_DEFAULT_PRESETS = {
     "train": ("gemma2-2b", "llama3-8b", "mistral-nemo", "qwen3-small"),
     "logprobs": ("gemma2-2b", "llama3-8b"),
     "ce": ("llama3-8b", "gemma2-2b"),  # N x V = 16384 x 128256 and 8192 x 256000
+    "distill": ("gemma2-2b",),  # student and teacher (8192, 2304) over 256000 classes
 }
-CPU_DEFAULT_PRESETS = {job: ("cpu-small",) for job in JOBS}
+CPU_DEFAULT_PRESETS = {job: ("cpu-small",) for job in ALL_JOBS}
 # Real data has the model's vocabulary: its cases use these shapes when none is named.
 REAL_GPU_PRESETS = ("gemma3-d640", "gemma3-d2304", "gemma3-d4096")
 REAL_CPU_PRESETS = ("smollm2-cpu",)
@@ -95,9 +104,12 @@ def parse_shape(text: str) -> Shape:
 
 
 def flops(job: str, phase: str, s: Shape) -> float:
-    """Matrix-product FLOPs the phase needs at least: 2NDV per product (logits; dinput and dweight in backward)."""
+    """Matrix-product FLOPs the phase needs at least: 2NDV per product (logits; dinput and dweight in backward).
+    distill: both heads' logits, then the student's two gradient products."""
     if job == "ce":
         return 0.0
+    if job == "distill":
+        return (8.0 if phase == "fwd+bwd" else 4.0) * s.N * s.D * s.V
     return (6.0 if phase == "fwd+bwd" else 2.0) * s.N * s.D * s.V
 
 
@@ -136,9 +148,29 @@ class Inputs:
     upstream: torch.Tensor | None  # (N,) float32: d(objective)/d(logp), logprobs only
     logits: torch.Tensor | None  # (N, V)     ce: the working buffer (in-place providers overwrite it)
     pristine: torch.Tensor | None  # (N, V)   ce: the logits as generated, restored before every run
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # distill: (teacher input (N, D), weight (V, D))
 
     def tensors(self):
-        return [a for a in (self.x, self.w, self.t, self.upstream, self.logits, self.pristine) if a is not None]
+        return [a for a in (self.x, self.w, self.t, self.upstream, self.logits, self.pristine, *(self.teacher or ()))
+                if a is not None]
+
+
+# One teacher at a time, for the head it was made from (the check slice and the full batch share it).
+_TEACHER: dict = {}
+
+
+def teacher_for(head: data.Head, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher head related to the student's: the same hidden states and the student's weight plus Gaussian
+    noise of half its scale, so that both softmaxes are of the data kind's shape and differ (JSD ~0.1-0.3 nats)."""
+    key = (id(head.weight), head.weight.shape, seed)
+    if key not in _TEACHER:
+        _TEACHER.clear()
+        w = head.weight
+        g = torch.Generator(device=w.device).manual_seed(seed + 2)
+        noise = torch.randn(w.shape, device=w.device, generator=g, dtype=torch.float32)
+        scale = 0.5 * w.float().std()
+        _TEACHER[key] = (head.input, (w.float() + scale * noise).to(w.dtype))
+    return _TEACHER[key]
 
 
 def make_inputs(job: str, head: data.Head, rows: slice | None = None, seed: int = 0) -> Inputs:
@@ -152,7 +184,11 @@ def make_inputs(job: str, head: data.Head, rows: slice | None = None, seed: int 
     if job == "ce":
         logits = x @ w.T  # the head's logits in the benchmark dtype, as a model would hand them over
         return Inputs(None, None, t, None, logits, logits.clone())
-    return Inputs(x, w, t, upstream, None, None)
+    teacher = None
+    if job == "distill":
+        xt, wt = teacher_for(head, seed)
+        teacher = (xt if rows is None else xt[rows], wt)
+    return Inputs(x, w, t, upstream, None, None, teacher)
 
 
 def mib(nbytes: float) -> float:

@@ -69,6 +69,10 @@ def _naive(job: str, upcast: bool):
         return lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t, upcast=upcast)
     if job == "logprobs":
         return lambda x, w, t: reference.naive_linear_log_probs(x, w, t, upcast=upcast)
+    if job == "distill":
+        from ..distill import naive_two_heads
+
+        return lambda x, w, xt, wt, t: naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
     return lambda logits, t: reference.naive_cross_entropy(logits, t, upcast=upcast)
 
 
@@ -80,8 +84,9 @@ def evaluate(job: str, fn, inp: Inputs, *, grad: bool, cast=None):
     for _, a in srcs:
         a = a.detach().to(cast) if cast is not None else a.detach().clone()
         leaves.append(a.requires_grad_(grad))
+    teacher = tuple(a.detach().to(cast) if cast is not None else a for a in (inp.teacher or ()))
     with torch.set_grad_enabled(grad):
-        out = fn(*leaves, inp.t)
+        out = fn(*leaves, *teacher, inp.t)
         if not grad:
             return out.detach(), [], []
         upstream = inp.upstream if out.dim() > 0 else None

@@ -28,6 +28,8 @@ Jobs (phases):
   train     linear_cross_entropy, mean loss: fwd+bwd (with the fwd and bwd split), and no-grad (loss only)
   logprobs  per-token log p(target) of a linear head: no-grad (scoring), and fwd+bwd (gradients)
   ce        cross_entropy on existing N x V logits: fwd+bwd (in place where the provider supports it)
+  distill   linear_jsd (beta 0.5) of a student head against a teacher head of the same shape: fwd+bwd
+            (gradients to the student); opt-in: runs only when named in --job
 
 Figures per phase: median time (CUDA events on a GPU, wall clock on a CPU); peak memory allocated above the
 inputs and the outputs (CUDA caching allocator on a GPU, PyTorch's profiler on a CPU); TFLOP/s counting
@@ -82,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--job", action="append", metavar="JOB",
-                    help=f"job(s) to run, comma-separated or repeated: {', '.join(C.JOBS)} (default: all)")
+                    help=f"job(s) to run, comma-separated or repeated: {', '.join(C.ALL_JOBS)} (default: "
+                         f"{', '.join(C.JOBS)})")
     ap.add_argument("--preset", action="append", metavar="NAME",
                     help="shape preset(s), comma-separated or repeated; with --shape, replaces the default shapes "
                          "of every job")
@@ -150,8 +153,8 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     gpu = device.type == "cuda"
     jobs = _split(args.job) or list(C.JOBS)
     for j in jobs:
-        if j not in C.JOBS:
-            parser.error(f"unknown job {j!r}; expected one of {', '.join(C.JOBS)}")
+        if j not in C.ALL_JOBS:
+            parser.error(f"unknown job {j!r}; expected one of {', '.join(C.ALL_JOBS)}")
     known = providers.by_name()
     if args.providers:
         names = _split(args.providers)

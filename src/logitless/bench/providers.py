@@ -4,6 +4,7 @@ Per job a provider supplies a function:
   train     fn(input, linear_weight, target) -> mean loss (scalar)
   logprobs  fn(input, linear_weight, target) -> log p(target) per token, (N,)
   ce        fn(logits, target) -> mean loss (scalar)
+  distill   fn(input, linear_weight, teacher_input, teacher_weight, target) -> mean JSD (beta 0.5; scalar)
 The runner makes the inputs leaves that require grad for the "fwd+bwd" phase and calls ``backward`` itself. The
 dense floor is the exception: it is no loss, only the matrix products (or the copy) that a dense implementation
 of the job must at least pay for, and it is neither checked nor differentiated.
@@ -59,7 +60,7 @@ class Provider:
         if self.kind == "floor":
             return _floor_step(job, inp, grad)
         fn = self.fn(job)
-        args = (inp.logits, inp.t) if job == "ce" else (inp.x, inp.w, inp.t)
+        args = (inp.logits, inp.t) if job == "ce" else (inp.x, inp.w, *(inp.teacher or ()), inp.t)
         upstream = inp.upstream if job == "logprobs" else None
         if not grad:
             return Step(lambda: fn(*args), None)
@@ -77,6 +78,9 @@ def _floor_step(job: str, inp: Inputs, grad: bool) -> Step:
         return Step(lambda: inp.logits.detach().clone(), None)
     x, w = inp.x.detach(), inp.w.detach()
     fwd = lambda: x @ w.T  # the logits: [N, V]
+    if job == "distill":  # both heads' logits; the gradient products of the student's
+        xt, wt = inp.teacher
+        fwd = lambda: (x @ w.T, xt @ wt.T)[0]
     if not grad:
         return Step(fwd, None)
     return Step(fwd, lambda z: [z @ w, z.T @ x])  # d_input [N, D] and d_weight [V, D] from a [N, V] gradient
@@ -142,6 +146,7 @@ def _logitless(backend: str) -> Provider:
             "train": lambda: lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend=backend),
             "logprobs": lambda: lambda x, w, t: logitless.linear_log_probs(x, w, t, backend=backend),
             "ce": ce,
+            "distill": lambda: lambda x, w, xt, wt, t: logitless.linear_jsd(x, w, xt, wt, target=t, backend=backend),
         },
         unavailable=unavailable,
         cpu_default=backend == "torch",
@@ -180,7 +185,14 @@ _EAGER = {
     "train": lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t),
     "logprobs": lambda x, w, t: reference.naive_linear_log_probs(x, w, t),
     "ce": lambda logits, t: reference.naive_cross_entropy(logits, t),
+    "distill": lambda x, w, xt, wt, t: _naive_jsd(x, w, xt, wt, t),
 }
+
+
+def _naive_jsd(x, w, xt, wt, t, upcast=True):
+    from ..distill import naive_two_heads
+
+    return naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
 
 
 def _compiled(job: str) -> Callable:
@@ -231,6 +243,18 @@ def _liger(job: str, accum_dtype=None) -> Callable:
     return lambda logits, t: mod(logits, t)
 
 
+def _liger_jsd(job: str) -> Callable:
+    from liger_kernel.transformers import LigerFusedLinearJSD
+
+    # Liger's jsd_beta is our beta. Older releases take no ignore_index and no labels (the job's targets ignore
+    # no row, so the loss is the same).
+    kw = {"ignore_index": -100} if "ignore_index" in inspect.signature(LigerFusedLinearJSD).parameters else {}
+    mod = LigerFusedLinearJSD(jsd_beta=0.5, temperature=1.0, **kw)
+    if "shift_labels" in inspect.signature(mod.forward).parameters:
+        return lambda x, w, xt, wt, t: mod(x, w, xt, wt, t)
+    return lambda x, w, xt, wt, t: mod(x, w, xt, wt)
+
+
 def _cce(impl: str, job: str, **kw) -> Callable:
     from cut_cross_entropy import linear_cross_entropy
 
@@ -262,6 +286,10 @@ def _registry() -> list[Provider]:
                  {job: functools.partial(_liger, job) for job in ("train", "ce")},
                  unavailable=_triton_device(liger_import), cpu_default=False,
                  version=_dist_version("liger-kernel")),
+        Provider("liger-jsd", "Liger-Kernel: LigerFusedLinearJSD(jsd_beta=0.5) (distill)",
+                 {"distill": functools.partial(_liger_jsd, "distill")},
+                 unavailable=_triton_device(liger_import), cpu_default=False,
+                 version=_dist_version("liger-kernel")),
         Provider("liger-fp32", "Liger-Kernel's fused linear cross-entropy with accum_dtype=float32 (opt-in)",
                  {"train": functools.partial(_liger, "train", torch.float32)},
                  unavailable=_triton_device(liger_import), cpu_default=False, gpu_default=False,
@@ -280,7 +308,7 @@ def _registry() -> list[Provider]:
                  version=_dist_version("cut-cross-entropy")),
         Provider("floor", "dense floor: the matrix products alone (x W^T; then dz W, dz^T x); ce: a copy of the "
                  "logits",
-                 {job: (lambda: None) for job in ("train", "logprobs", "ce")}, kind="floor",
+                 {job: (lambda: None) for job in ("train", "logprobs", "ce", "distill")}, kind="floor",
                  version=lambda: torch.__version__),
     ]
 

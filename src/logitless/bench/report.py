@@ -173,7 +173,7 @@ def write_plots(run: Run, out_dir: str, opener=open) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for job in C.JOBS:
+    for job in C.ALL_JOBS:
         rs = [r for r in run.results if r.case.job == job]
         if not rs:
             continue

@@ -1,0 +1,578 @@
+"""Two heads, no logits: distillation losses (KL, generalized JSD) and the soft cross-entropy between two heads.
+
+Both heads project hidden states onto the same vocabulary: the student's ``z_s = softcap(x_s W_s^T + b_s) / T``
+and the teacher's ``z_t = softcap(x_t W_t^T + b_t) / T``. Every loss here is a per-row sum over the vocabulary of
+terms in ``p_s = softmax(z_s)`` and ``p_t = softmax(z_t)``, computed tile by tile from per-row statistics
+(docs/math.md, "Two heads"): pass 1 runs an online log-sum-exp of both heads, with the cross sum
+``sum_j e_a (z_a - z_b)`` of the weighting head ``a`` rescaled as its maximum grows (one pass gives both KL
+directions and the soft cross-entropy); the generalized JSD needs the normalised distributions inside its
+logarithm and makes a second pass. The backward recomputes both heads' tiles and forms the student's ``dL/dz`` per
+tile; only the student gets gradients (the teacher is treated as a constant, whatever its ``requires_grad``).
+
+Layers, as for the other ops: public functions (validation, dispatch, reduction) -> per backend an autograd
+node (``_TwoHeadsTorch``, the chunked PyTorch twin; the torch.library ops ``logitless::two_heads_loss`` and
+``logitless::two_heads_grad`` around kernels/two_heads.py) -> per-row statistics -> ``row_loss``, shared by both
+backends. The ``naive_*`` functions at the bottom build full logits with PyTorch's own ops: ground truth for the
+tests (in float64) and the eager peer of the benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _validate, reference
+from ._dispatch import resolve_backend
+from .linear_cross_entropy import check_kernel_dtype
+
+# The losses, by the divergence each row computes (see row_loss):
+#   "fkl"  KL(p_t || p_s)          weights p_t   dL/dz_s = p_s - p_t
+#   "rkl"  KL(p_s || p_t)          weights p_s   dL/dz_s = p_s (log p_s - log p_t - KL)
+#   "ce"   -sum_j p_t log p_s      weights p_t   dL/dz_s = p_s - p_t
+#   "jsd"  beta KL(p_t || M) + (1 - beta) KL(p_s || M),  M = beta p_t + (1 - beta) p_s
+#                                                 dL/dz_s = (1 - beta) p_s (log p_s - log M - KL(p_s || M))
+KINDS = ("fkl", "rkl", "ce", "jsd")
+DIRECTIONS = ("forward", "reverse")
+
+
+def weights_student(kind: str) -> bool:
+    """Whether the cross sum of pass 1 is weighted by the student's softmax (reverse KL) or the teacher's."""
+    return kind == "rkl"
+
+
+class TwoHeadArgs(NamedTuple):
+    """Validated, flattened arguments: xs (N, Ds), ws (V, Ds), xt (N, Dt), wt (V, Dt), valid (N,) bool or None."""
+
+    xs: torch.Tensor
+    ws: torch.Tensor
+    bs: torch.Tensor | None
+    xt: torch.Tensor
+    wt: torch.Tensor
+    bt: torch.Tensor | None
+    valid: torch.Tensor | None
+    lead_shape: torch.Size
+
+
+def _prefixed(prefix: str, fn, *args):
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{prefix}: {e}") from None
+
+
+def validate(student_input, student_weight, teacher_input, teacher_weight, student_bias, teacher_bias, target,
+             ignore_index, names=("student", "teacher")) -> TwoHeadArgs:
+    """Check both heads (shapes, dtypes, devices, one vocabulary) and the optional target; the teacher's tensors
+    come back detached (no gradient reaches them)."""
+    a, b = names
+    xs, lead = _prefixed(f"{a} head (input, linear_weight, linear_bias = {a}_input, {a}_weight, {a}_bias)",
+                         _validate.check_linear, student_input, student_weight, student_bias)
+    xt, lead_t = _prefixed(f"{b} head (input, linear_weight, linear_bias = {b}_input, {b}_weight, {b}_bias)",
+                           _validate.check_linear, teacher_input, teacher_weight, teacher_bias)
+    if lead != lead_t:
+        raise ValueError(f"{a}_input has leading shape {tuple(lead)} but {b}_input has {tuple(lead_t)}: the two "
+                         "heads score the same tokens")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"{a}_weight has {student_weight.shape[0]} classes but {b}_weight has "
+                         f"{teacher_weight.shape[0]}: the two heads need one vocabulary")
+    if xs.dtype != xt.dtype:
+        raise TypeError(f"{a} head is {xs.dtype} but {b} head is {xt.dtype}: use one dtype for both")
+    if xs.device != xt.device:
+        raise ValueError(f"{a} head is on {xs.device} but {b} head is on {xt.device}")
+    valid = None
+    if target is not None:
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"target must be a torch.Tensor or None, got {type(target).__name__}")
+        if target.dtype not in _validate.INDEX_DTYPES and target.dtype != torch.bool:
+            raise TypeError(f"target must be int64/int32 labels (rows equal to ignore_index are ignored) or a bool "
+                            f"mask (True = keep), got {target.dtype}")
+        if target.shape != lead:
+            raise ValueError(f"target has shape {tuple(target.shape)} but the inputs' leading shape is {tuple(lead)}")
+        if target.device != xs.device:
+            raise ValueError(f"target is on {target.device} but the inputs are on {xs.device}")
+        t = target.reshape(-1)
+        valid = (t if t.dtype == torch.bool else t != ignore_index).contiguous()
+    bt = None if teacher_bias is None else teacher_bias.detach()
+    return TwoHeadArgs(xs, student_weight, student_bias, xt.detach(), teacher_weight.detach(), bt, valid, lead)
+
+
+def check_beta(beta) -> float:
+    if isinstance(beta, (torch.Tensor, bool)) or not isinstance(beta, (int, float)):
+        raise TypeError(f"beta must be a Python float, got {type(beta).__name__}")
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    return float(beta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-row statistics -> per-row loss and the backward's row term; shared by both backends.
+
+
+class RowStats(NamedTuple):
+    """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a:
+    ea = E_a[z_a - m_a] (for the soft cross-entropy), da = E_a[z_a - z_b]; for the JSD, kt = KL(p_t || M) and
+    ks = KL(p_s || M) from the second pass (None otherwise)."""
+
+    m_s: torch.Tensor
+    logs_s: torch.Tensor
+    m_t: torch.Tensor
+    logs_t: torch.Tensor
+    ea: torch.Tensor | None
+    da: torch.Tensor | None
+    kt: torch.Tensor | None = None
+    ks: torch.Tensor | None = None
+
+
+def row_loss(kind: str, beta: float, st: RowStats) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-row loss, the row term R of the student's gradient or None). Differences of maxima and of log-sums are
+    taken apart: each is exact-ish, their sum is the small number (docs/math.md)."""
+    if kind == "fkl":  # sum p_t (z_t - z_s) - lse_t + lse_s
+        return st.da - (st.m_t - st.m_s) - (st.logs_t - st.logs_s), None
+    if kind == "rkl":  # sum p_s (z_s - z_t) - lse_s + lse_t
+        kl = st.da - (st.m_s - st.m_t) - (st.logs_s - st.logs_t)
+        return kl, kl
+    if kind == "ce":  # lse_s - E_t[z_s] = (m_s - m_t) + logs_s - E_t[z_t - m_t] + E_t[z_t - z_s]
+        return st.da - (st.m_t - st.m_s) + st.logs_s - st.ea, None
+    return beta * st.kt + (1.0 - beta) * st.ks, st.ks
+
+
+def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: str, lead_shape) -> torch.Tensor:
+    """0 at ignored rows; "mean" divides by the number of kept rows (NaN when there are none, as PyTorch's
+    cross-entropy does), as a tensor (no host sync)."""
+    if valid is not None:
+        per_row = torch.where(valid, per_row, 0.0)
+    if reduction == "none":
+        return per_row.reshape(lead_shape)
+    total = per_row.sum()
+    if reduction == "sum":
+        return total
+    count = valid.sum() if valid is not None else per_row.new_tensor(float(per_row.numel()))
+    return total / count
+
+
+def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
+    """dL/dz_s of a block (float32 or float64), rows scaled by the upstream gradient g (0 at ignored rows)."""
+    ls = (zs - m_s[:, None]) - logs_s[:, None]
+    ps = torch.exp(ls)
+    if kind in ("fkl", "ce"):
+        dz = ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None])
+    else:
+        lt = (zt - m_t[:, None]) - logs_t[:, None]
+        if kind == "rkl":
+            inner = ls - lt - R[:, None]
+            scale = 1.0
+        else:
+            inner = ls - _log_mix(lt, ls, beta) - R[:, None]
+            scale = 1.0 - beta
+        dz = torch.where(ps > 0, ps * inner, 0.0)
+        if scale != 1.0:
+            dz = dz * scale
+    return dz * g[:, None]
+
+
+def _log_mix(lt, ls, beta):
+    """log(beta p_t + (1 - beta) p_s) from the log-probabilities, without underflow: a log-sum-exp of two."""
+    a = lt + math.log(beta)
+    b = ls + math.log1p(-beta)
+    hi = torch.maximum(a, b)
+    return hi + torch.log1p(torch.exp(torch.minimum(a, b) - hi))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chunked PyTorch twin
+
+
+def _chunk_logits(x, w, b, i0, i1, v0, v1, softcap, inv_temp):
+    return reference._linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
+
+
+def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> RowStats:
+    """RowStats in token chunks x vocabulary chunks (never N x V): pass 1 online, pass 2 for the JSD."""
+    n, V = a.xs.shape[0], a.ws.shape[0]
+    acc = reference._acc(a.xs.dtype)
+    f = dict(device=a.xs.device, dtype=acc)
+    out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks")}
+    w_student = weights_student(kind)
+    cn = reference._token_chunk(V)
+    for i0, i1 in reference._chunks(n, cn):
+        c = i1 - i0
+        m_s = torch.full((c,), -math.inf, **f)
+        m_t = torch.full((c,), -math.inf, **f)
+        s_s, s_t, ent, dsum = (torch.zeros(c, **f) for _ in range(4))
+        for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+            zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
+            zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
+            za, zb = (zs, zt) if w_student else (zt, zs)
+            m_a, s_a = (m_s, s_s) if w_student else (m_t, s_t)
+            new_a = torch.maximum(m_a, za.amax(1))
+            safe_a = torch.where(torch.isfinite(new_a), new_a, 0.0)
+            alpha = torch.exp(m_a - safe_a)
+            e = torch.exp(za - safe_a[:, None])
+            shift = (m_a - safe_a).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+            ent = alpha * (ent + shift * s_a) + torch.where(e > 0, e * (za - safe_a[:, None]), 0.0).sum(1)
+            dsum = alpha * dsum + torch.where(e > 0, e * (za - zb), 0.0).sum(1)
+            s_a = s_a * alpha + e.sum(1)
+            # the other head: its max and sum only
+            m_b, s_b = (m_t, s_t) if w_student else (m_s, s_s)
+            new_b = torch.maximum(m_b, zb.amax(1))
+            safe_b = torch.where(torch.isfinite(new_b), new_b, 0.0)
+            s_b = s_b * torch.exp(m_b - safe_b) + torch.exp(zb - safe_b[:, None]).sum(1)
+            if w_student:
+                m_s, s_s, m_t, s_t = new_a, s_a, new_b, s_b
+            else:
+                m_t, s_t, m_s, s_s = new_a, s_a, new_b, s_b
+        sl = slice(i0, i1)
+        s_a = s_s if w_student else s_t
+        out["m_s"][sl], out["logs_s"][sl] = m_s, torch.log(s_s)
+        out["m_t"][sl], out["logs_t"][sl] = m_t, torch.log(s_t)
+        out["ea"][sl], out["da"][sl] = ent / s_a, dsum / s_a
+    if kind != "jsd":
+        return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"])
+    for i0, i1 in reference._chunks(n, cn):
+        sl = slice(i0, i1)
+        kt = torch.zeros(i1 - i0, **f)
+        ks = torch.zeros(i1 - i0, **f)
+        for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+            zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
+            zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
+            ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
+            lt = (zt - out["m_t"][sl, None]) - out["logs_t"][sl, None]
+            lm = _log_mix(lt, ls, beta)
+            pt, ps = torch.exp(lt), torch.exp(ls)
+            kt += torch.where(pt > 0, pt * (lt - lm), 0.0).sum(1)
+            ks += torch.where(ps > 0, ps * (ls - lm), 0.0).sum(1)
+        out["kt"][sl], out["ks"][sl] = kt, ks
+    return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], None, None, out["kt"], out["ks"])
+
+
+def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, R, g, needs):
+    """(dx_s, dW_s, db_s) for the upstream per-row gradient g: vocabulary-outer, each dW_s block accumulated in
+    float32 and written once, dx_s accumulated in float32; both heads' blocks recomputed."""
+    xs, ws, bs = a.xs, a.ws, a.bs
+    need_x, need_w, need_b = needs
+    n, D = xs.shape
+    V = ws.shape[0]
+    acc = reference._acc(xs.dtype)
+    dx = torch.zeros(n, D, device=xs.device, dtype=acc) if need_x else None
+    dw = torch.empty_like(ws) if need_w else None
+    db = torch.empty_like(bs) if need_b else None
+    cn = reference._token_chunk(V)
+    for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+        w_c = ws[v0:v1].to(acc)
+        dw_c = torch.zeros(v1 - v0, D, device=xs.device, dtype=acc) if need_w else None
+        db_c = torch.zeros(v1 - v0, device=xs.device, dtype=acc) if need_b else None
+        for i0, i1 in reference._chunks(n, cn):
+            sl = slice(i0, i1)
+            zs = _chunk_logits(xs, ws, bs, i0, i1, v0, v1, softcap, inv_temp)
+            zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
+            dz = dz_student(kind, beta, zs, zt, st.m_s[sl], st.logs_s[sl], st.m_t[sl], st.logs_t[sl],
+                            None if R is None else R[sl], g[sl])
+            dz = reference._chain_transform(dz, zs, softcap, inv_temp)
+            if need_x:
+                dx[sl] += dz @ w_c
+            if need_w:
+                dw_c += dz.T @ xs[sl].to(acc)
+            if need_b:
+                db_c += dz.sum(0)
+        if need_w:
+            dw[v0:v1] = dw_c
+        if need_b:
+            db[v0:v1] = db_c
+    return (dx.to(xs.dtype) if need_x else None), dw, db
+
+
+class _TwoHeadsTorch(torch.autograd.Function):
+    """Per-row loss of the student head against the teacher head (PyTorch path); gradients to xs, ws, bs."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, bs, a, kind, beta, softcap, inv_temp):
+        a = a._replace(xs=xs, ws=ws, bs=bs)
+        st = torch_stats(a, kind, beta, softcap, inv_temp)
+        loss, R = row_loss(kind, beta, st)
+        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, *st[:4], R)
+        ctx.opts = (kind, beta, softcap, inv_temp)
+        return loss
+
+    @staticmethod
+    @reference.first_order_only
+    def backward(ctx, g):
+        xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R = ctx.saved_tensors
+        kind, beta, softcap, inv_temp = ctx.opts
+        a = TwoHeadArgs(xs, ws, bs, xt, wt, bt, None, xs.shape[:-1])
+        st = RowStats(m_s, logs_s, m_t, logs_t, None, None)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bs is not None and ctx.needs_input_grad[2])
+        dx, dw, db = torch_backward(a, kind, beta, softcap, inv_temp, st, R, g.to(m_s.dtype), needs)
+        return dx, dw, db, None, None, None, None, None
+
+
+# The Triton path as two torch.library ops (torch.compile sees each as one opaque op): the per-row loss with the
+# statistics its backward needs, and the student's gradients.
+
+_LOSS_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor? bt, str kind, float beta, "
+                "float? softcap, float inv_temp, int? workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)")
+_GRAD_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor? bt, Tensor m_s, Tensor logs_s, "
+                "Tensor m_t, Tensor logs_t, Tensor R, Tensor g, str kind, float beta, float? softcap, "
+                "float inv_temp, bool need_dx, bool need_dw, bool need_db, int? workspace_bytes) "
+                "-> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("logitless::two_heads_loss", mutates_args=(), schema=_LOSS_SCHEMA)
+def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+    """(per-row loss, m_s, logs_s, m_t, logs_t, R), each (N,) float32; R is the row term of the student's gradient
+    (zeros where the kind has none). workspace_bytes is for the backward."""
+    from .kernels import two_heads
+
+    bs = None if bs is None else bs.contiguous()  # the kernels read biases with unit stride
+    bt = None if bt is None else bt.contiguous()
+    st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
+                                           inv_temp=inv_temp))
+    loss, R = row_loss(kind, beta, st)
+    return loss, *(t.clone() for t in st[:4]), torch.zeros_like(loss) if R is None else R.clone()
+
+
+@_loss_op.register_fake
+def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+    return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(6))
+
+
+@torch.library.custom_op("logitless::two_heads_grad", mutates_args=(), schema=_GRAD_SCHEMA)
+def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
+             need_dw, need_db, workspace_bytes):
+    """(dx_s, dW_s, db_s) for the upstream per-row gradient g; a gradient not asked for is empty."""
+    from .kernels import two_heads
+
+    bs = None if bs is None else bs.contiguous()
+    bt = None if bt is None else bt.contiguous()
+    out = two_heads.backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g.float().contiguous(),
+                             kind=kind, beta=beta, softcap=softcap, inv_temp=inv_temp, need_dx=need_dx,
+                             need_dw=need_dw, need_db=need_db, workspace_bytes=workspace_bytes)
+    return tuple(t if t is not None else xs.new_empty(0) for t in out)
+
+
+@_grad_op.register_fake
+def _(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx, need_dw,
+      need_db, workspace_bytes):
+    dx = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_dx else xs.new_empty(0)
+    dw = torch.empty_like(ws, memory_format=torch.contiguous_format) if need_dw else xs.new_empty(0)
+    db = torch.empty_like(bs) if need_db and bs is not None else xs.new_empty(0)
+    return dx, dw, db
+
+
+def _loss_setup_context(ctx, inputs, output):
+    xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes = inputs
+    _, m_s, logs_s, m_t, logs_t, R = output
+    ctx.save_for_backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R)
+    ctx.opts = (kind, beta, softcap, inv_temp, workspace_bytes)
+    ctx.mark_non_differentiable(m_s, logs_s, m_t, logs_t, R)
+
+
+def _loss_backward(ctx, g, *_ignored):
+    xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R = ctx.saved_tensors
+    kind, beta, softcap, inv_temp, workspace_bytes = ctx.opts
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bs is not None and ctx.needs_input_grad[2]
+    if g is None or not (need_dx or need_dw or need_db):
+        return (None,) * 11
+    dx, dw, db = _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp,
+                          need_dx, need_dw, need_db, workspace_bytes)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 8
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(reference.NOT_DIFFERENTIABLE)
+
+
+torch.library.register_autograd("logitless::two_heads_loss", _loss_backward, setup_context=_loss_setup_context)
+torch.library.register_autograd("logitless::two_heads_grad", _no_double_backward, setup_context=_no_setup)
+
+
+def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None):
+    softcap = None if softcap is None else float(softcap)
+    inv_temp = 1.0 / float(temperature)
+    chosen = resolve_backend(backend, a.xs.device, op)
+    if chosen == "triton" and check_kernel_dtype(a.xs, backend):
+        per_row = _loss_op(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, float(beta), softcap, inv_temp,
+                           workspace_bytes)[0]
+    else:
+        per_row = _TwoHeadsTorch.apply(a.xs, a.ws, a.bs, a, kind, beta, softcap, inv_temp)
+    return reduce_rows(per_row, a.valid, reduction, a.lead_shape)
+
+
+def _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes):
+    from .linear_cross_entropy import check_workspace
+
+    ignore_index = _validate.ignore_index_arg(ignore_index)
+    _validate.check_options(reduction=reduction, temperature=temperature, softcap=softcap, ignore_index=ignore_index)
+    check_workspace(workspace_bytes)
+    return ignore_index
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public functions
+
+
+def linear_kl_div(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    direction: str = "forward",
+    reduction: str = "mean",
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+    workspace_bytes: int | None = None,
+) -> torch.Tensor:
+    """KL divergence between the softmaxes of two linear heads, per token, without building either's logits.
+
+    With ``z_s = softcap(student_input @ student_weight.T + student_bias) / temperature`` (softcap, when set, is
+    ``softcap * tanh(z / softcap)`` before the temperature; the same for the teacher), ``p_s = softmax(z_s)`` and
+    ``p_t = softmax(z_t)``: ``direction="forward"`` gives ``KL(p_t || p_s) = sum_j p_t (log p_t - log p_s)`` (the
+    usual distillation loss, mean-seeking), ``"reverse"`` gives ``KL(p_s || p_t)`` (mode-seeking, as in on-policy
+    distillation). The loss is not multiplied by ``temperature**2``; multiply it yourself for Hinton's
+    scaling. All math is float32.
+
+    Gradients flow to ``student_input``, ``student_weight`` and ``student_bias`` only: the teacher's tensors are
+    treated as constants (detached), even if they require grad.
+
+    Args:
+        student_input: (..., Ds) float32, bfloat16 or float16 (float64 on the PyTorch path); student_weight:
+            (V, Ds). teacher_input: (..., Dt) of the same leading shape, dtype and device; teacher_weight: (V, Dt),
+            the same vocabulary. Ds and Dt may differ.
+        target: optional labels of the leading shape (int64/int32; rows equal to ``ignore_index`` are ignored, other
+            values are not used) or a bool mask (True = keep). None: every row counts.
+        reduction: "mean" (over the kept rows; NaN when none is kept), "sum", or "none" (float32 per row, 0 at
+            ignored rows).
+        backend, workspace_bytes: as in :func:`logitless.linear_cross_entropy`.
+
+    Returns:
+        float32 loss: a scalar, or the leading shape for ``reduction="none"``.
+    """
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    a = validate(student_input, student_weight, teacher_input, teacher_weight, student_bias, teacher_bias, target,
+                 ignore_index)
+    kind = "fkl" if direction == "forward" else "rkl"
+    return _run(a, kind, 0.0, softcap, temperature, reduction, backend, "linear_kl_div", workspace_bytes)
+
+
+def linear_jsd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    target: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+    workspace_bytes: int | None = None,
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence between the softmaxes of two linear heads, per token, without logits.
+
+    For ``0 < beta < 1``: ``beta * KL(p_t || M) + (1 - beta) * KL(p_s || M)`` with the mixture
+    ``M = beta * p_t + (1 - beta) * p_s`` (``beta = 0.5``: the symmetric JSD, at most log 2). ``beta`` is the
+    teacher's weight, the same convention as Liger-Kernel's ``LigerFusedLinearJSD(jsd_beta=...)`` and TRL's GKD
+    ``beta``, with the same two edges: ``beta = 0`` is the forward ``KL(p_t || p_s)`` and ``beta = 1`` the reverse
+    ``KL(p_s || p_t)`` (the limits of the JSD divided by ``beta`` and by ``1 - beta``; the unscaled JSD itself
+    tends to 0 there), computed as :func:`linear_kl_div` does. Other arguments, the temperature convention (no
+    ``temperature**2`` factor) and the frozen teacher as in :func:`linear_kl_div`.
+    """
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    beta = check_beta(beta)
+    a = validate(student_input, student_weight, teacher_input, teacher_weight, student_bias, teacher_bias, target,
+                 ignore_index)
+    kind = "fkl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
+    return _run(a, kind, beta, softcap, temperature, reduction, backend, "linear_jsd", workspace_bytes)
+
+
+def linear_soft_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target_input: torch.Tensor,
+    target_weight: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    linear_bias: torch.Tensor | None = None,
+    target_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+    workspace_bytes: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of one head's softmax under another's, per token: ``-sum_j q_j log p_j`` with
+    ``p = softmax(z)`` of the head (``input``, ``linear_weight``, ``linear_bias``) and ``q = softmax(z')`` of the
+    target head (``target_input``, ``target_weight``, ``target_bias``), never building either's logits.
+
+    It is ``KL(q || p) + H(q)``: a soft-label cross-entropy for distillation (same gradient as the forward KL), and,
+    with an observer model's head as the first and a performer's as the target head, the cross-perplexity
+    (in log form, nats per token) of the Binoculars score (docs/detect.md). Temperature and softcap apply to both
+    heads as in :func:`linear_kl_div`. Differentiable with respect to the first head only (the target head is
+    treated as constant). ``target`` masks rows as in :func:`linear_kl_div`; ``reduction`` defaults to "none"
+    (float32 per token, 0 at ignored rows).
+    """
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    a = validate(input, linear_weight, target_input, target_weight, linear_bias, target_bias, target, ignore_index,
+                 names=("input", "target"))
+    return _run(a, "ce", 0.0, softcap, temperature, reduction, backend, "linear_soft_cross_entropy",
+                workspace_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Full logits with PyTorch's ops (the tests' ground truth in float64, PyTorch's own error in the input dtype, and
+# the benchmark's eager peer). Same keyword arguments as the public functions, plus `upcast` (float32 math for
+# bfloat16/float16 logits) and the kind.
+
+
+def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
+                    target=None, ignore_index=-100, temperature=1.0, reduction="mean", student_bias=None,
+                    teacher_bias=None, softcap=None, upcast=True):
+    zs = F.linear(student_input, student_weight, student_bias)
+    zt = F.linear(teacher_input, teacher_weight, teacher_bias)
+    if upcast and zs.dtype in (torch.bfloat16, torch.float16):
+        zs, zt = zs.float(), zt.float()
+    zt = zt.detach()
+    if softcap is not None:
+        zs = softcap * torch.tanh(zs / softcap)
+        zt = softcap * torch.tanh(zt / softcap)
+    ls = torch.log_softmax(zs / temperature, dim=-1)
+    lt = torch.log_softmax(zt / temperature, dim=-1)
+    if kind == "fkl" or (kind == "jsd" and beta == 0.0):
+        per = (lt.exp() * (lt - ls)).sum(-1)
+    elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
+        per = (ls.exp() * (ls - lt)).sum(-1)
+    elif kind == "ce":
+        per = -(lt.exp() * ls).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    valid = None
+    if target is not None:
+        valid = target if target.dtype == torch.bool else target != ignore_index
+        per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    return per.sum() / (valid.sum() if valid is not None else per.numel())

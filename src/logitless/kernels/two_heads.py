@@ -1,0 +1,496 @@
+"""Triton kernels of two linear heads over one vocabulary (distillation losses, soft cross-entropy), never stored.
+
+Launchers (no autograd here). Inputs are validated: the student's xs (N, Ds), ws (V, Ds), bs (V,) or None and the
+teacher's xt (N, Dt), wt (V, Dt), bt or None, all of one dtype (float32, bfloat16 or float16). Logits of both
+heads are z = softcap(x W^T + b) * inv_temp; `kind` is one of distill.KINDS.
+
+    forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp)
+        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks), each (N,) float32 or None (distill.RowStats): pass 1, one
+           kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
+           sum_j e_a (z_a - m_a) and sum_j e_a (z_a - z_b) (rescaled as m_a grows); for the JSD, pass 2 (the same
+           kernel, MODE 2) sums p_t (log p_t - log M) and p_s (log p_s - log M) with the final log-sum-exps.
+    backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
+             need_dw, need_db, workspace_bytes=None)
+        -> (dx_s | None, dW_s | None, db_s | None) for the per-row upstream gradient g (float32, 0 at ignored rows).
+
+Forward: programs own (token block x vocabulary split); each computes both heads' logit tiles with the linear-head
+kernels' _logits_tile (tensor descriptors where possible) and the splits' partials are merged with a few PyTorch
+ops on (splits, N) floats. Backward: the linear-head backward's machinery with another dz kernel: the vocabulary is
+walked in chunks, _two_dz_kernel recomputes both heads' tiles and writes the student's dL/dz of the chunk, and the
+two gradient products (dW_s rows = dz^T x_s, dx_s += dz W_s[chunk]) run through linear_head._products_torch (cuBLAS
+for bfloat16 / float16 on CUDA, float32 reductions). The workspaces follow linear_head's plan (_plan, _first_pass,
+_second_pass): dz and the float32 dx accumulator live in rows of dW_s not written yet, so the extra memory is the
+same O(N) plus scratch as the single-head backward's. Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _dispatch
+from . import linear_head as lh
+from ._common import LOG2E, cdiv
+
+# Two accumulators of logits are live at once, so the tiles are half the single-head forward's (128 x 256 fp32
+# would need every register of the thread for the accumulators alone). H100 sweep (docs/distill.md): 4 stages
+# against 3 made the forward 15% and the backward 8% faster; 5-6 stages, 64 x 256, block_k 32 or 128, 16 warps and
+# both heads in one reduction loop were no faster. CONFIG_OVERRIDE / DZ_OVERRIDE let a sweep try others. Fields as
+# linear_head.Config (block_n, block_v, block_k, warps, stages of the forward and dz kernels; group; wide: the
+# widest first-pass chunk of the backward).
+_GPU_CONFIG = lh.Config(128, 128, 64, 8, 4, 128, 256, 64, 8, 4, 8, 8, 128, tma=True, wide=8192)
+_GPU_CONFIG_FP32 = lh.Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
+_INTERPRETER_CONFIG = lh.Config(16, 32, 16, 1, 1, 32, 32, 32, 1, 1, 2, 4, 32, tma=True, wide=96)
+CONFIG_OVERRIDE: lh.Config | None = None
+# The dz kernel's tiles (block_n, block_v, block_k, warps, stages) when they differ from the forward's; None: the
+# forward's, with dz_block_v classes. A sweep sets this.
+DZ_OVERRIDE: tuple[int, int, int, int, int] | None = None
+# The dz kernel writes its tiles through a tensor descriptor (the copy engine) where the operands use them.
+DZ_STORE_TMA = True
+# Both heads' products in one reduction loop where they have one width and use descriptors (_two_tiles).
+FUSED_K = False
+
+
+def _config(x: torch.Tensor) -> lh.Config:
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    if x.device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    if x.dtype == torch.float32:
+        return _GPU_CONFIG_FP32
+    if not lh.cuda_facts(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]:
+        return _GPU_CONFIG._replace(tma=False)
+    return _GPU_CONFIG
+
+
+def _dz_config(x: torch.Tensor) -> lh.Config:
+    """The backward's config: the dz kernel's tiles in the forward fields (block_n, block_v, block_k, fwd_warps,
+    fwd_stages), which the memory plan also reads (chunks rounded to dz tiles)."""
+    cfg = _config(x)
+    if DZ_OVERRIDE is not None and x.device.type == "cuda":
+        bn, bv, bk, warps, stages = DZ_OVERRIDE
+        return cfg._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv)
+    return cfg._replace(block_v=cfg.dz_block_v)
+
+
+_MODES = {"fkl": 0, "ce": 0, "rkl": 1, "jsd": 2}
+
+
+@triton.jit
+def _two_tiles(
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
+    sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
+    EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    """Both heads' transformed logits [BLOCK_N, BLOCK_V] at (row0, col0), the student's before the temperature
+    (for the softcap's derivative), and the column mask. FUSED (tensor descriptors, Ds == Dt): both products in
+    one reduction loop, one software pipeline per tile instead of one per head."""
+    cols = col0 + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    if FUSED:
+        acc_s = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        r0 = row0.to(tl.int32)
+        c0 = col0.to(tl.int32)
+        for k in range(0, tl.cdiv(Ds, BLOCK_K)):
+            a = xs_ptr.load([r0, k * BLOCK_K])
+            b = ws_ptr.load([c0, k * BLOCK_K])
+            acc_s = lh._mma(a, tl.trans(b), acc_s, DOT_PRECISION, UPCAST)
+            a2 = xt_ptr.load([r0, k * BLOCK_K])
+            b2 = wt_ptr.load([c0, k * BLOCK_K])
+            acc_t = lh._mma(a2, tl.trans(b2), acc_t, DOT_PRECISION, UPCAST)
+    else:
+        acc_s = lh._logits_tile(xs_ptr, ws_ptr, xs_ptr, row0, col0, N, V, Ds, sxs_n, sxs_d, sws_v, sws_d, False,
+                                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
+        acc_t = lh._logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
+                                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
+    zs, zcs = lh._transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
+    zt, _ = lh._transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
+    return zs, zt, zcs, col_ok
+
+
+@triton.jit
+def _log1p(u):
+    # log(1 + u) for u in [0, 1]: log(1 + u) loses u entirely below float32's epsilon, and with it the JSD
+    # gradient's small differences where one head is nearly one-hot; u (1 - u/2 + u^2/3) is exact to 1e-9 there.
+    return tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u * 0.3333333333333333)), tl.log(1.0 + u))
+
+
+@triton.jit
+def _log_mix(lt, ls, log_beta, log_1mb):
+    # log(beta p_t + (1 - beta) p_s) from the log-probabilities: a log-sum-exp of two terms.
+    a = lt + log_beta
+    b = ls + log_1mb
+    hi = tl.maximum(a, b)
+    return hi + _log1p(lh._exp(tl.minimum(a, b) - hi))
+
+
+@triton.jit
+def _two_fwd_kernel(
+    # pointers
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, part_ptr,
+    # sizes
+    N, V, Ds, Dt, n_splits, tiles_per_split,
+    # strides
+    sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d,
+    # options
+    softcap, inv_temp, log_beta, log_1mb,
+    # meta-parameters
+    MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
+):
+    # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a] of the split's tiles, with
+    # a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
+    # d_a = sum e_a (z_a - z_b), each only where asked for (HAS_ENT, HAS_D; 0 otherwise). MODE 2 (the JSD's pass
+    # 2): partials [kt, ks] from stats_ptr's (4, N) final (m_s, logs_s, m_t, logs_t).
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_n, split = lh._grouped(pid, n_blocks, n_splits, GROUP)
+    row0 = pid_n.to(tl.int64) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    n_vtiles = tl.cdiv(V, BLOCK_V)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, n_vtiles)
+    col0 = j0.to(tl.int64) * BLOCK_V
+    out = part_ptr + split.to(tl.int64) * N + rows
+    if MODE == 2:
+        rows_in = tl.minimum(rows, N - 1)
+        ms = tl.load(stats_ptr + rows_in)
+        lss = tl.load(stats_ptr + N + rows_in)
+        mt = tl.load(stats_ptr + 2 * N + rows_in)
+        lst = tl.load(stats_ptr + 3 * N + rows_in)
+        kt = tl.zeros((BLOCK_N,), tl.float32)
+        ks = tl.zeros((BLOCK_N,), tl.float32)
+        for _ in range(j0, j1):
+            zs, zt, _zc, col_ok = _two_tiles(
+                xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
+                sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
+                HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+            ls = (zs - ms[:, None]) - lss[:, None]
+            lt = (zt - mt[:, None]) - lst[:, None]
+            lm = _log_mix(lt, ls, log_beta, log_1mb)
+            ps = lh._exp(ls)
+            pt = lh._exp(lt)
+            ok = col_ok[None, :] & (ps > 0)
+            ks += tl.sum(tl.where(ok, ps * (ls - lm), 0.0), axis=1)
+            ok = col_ok[None, :] & (pt > 0)
+            kt += tl.sum(tl.where(ok, pt * (lt - lm), 0.0), axis=1)
+            col0 += BLOCK_V
+        tl.store(out, kt, mask=row_ok)
+        tl.store(out + n_splits * N, ks, mask=row_ok)
+    else:
+        # m starts finite so that (m_old - m_new) terms stay finite (times a zero sum) on the first tile.
+        m_a = tl.full((BLOCK_N,), -1e30, tl.float32)
+        m_b = tl.full((BLOCK_N,), -1e30, tl.float32)
+        s_a = tl.zeros((BLOCK_N,), tl.float32)
+        s_b = tl.zeros((BLOCK_N,), tl.float32)
+        ent = tl.zeros((BLOCK_N,), tl.float32)
+        d_a = tl.zeros((BLOCK_N,), tl.float32)
+        for _ in range(j0, j1):
+            zs, zt, _zc, col_ok = _two_tiles(
+                xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
+                sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
+                HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+            if WEIGHT_S:
+                za = zs
+                zb = zt
+            else:
+                za = zt
+                zb = zs
+            if not EVEN_V:
+                za = tl.where(col_ok[None, :], za, float("-inf"))
+                zb = tl.where(col_ok[None, :], zb, float("-inf"))
+            ma_new = tl.maximum(m_a, tl.max(za, axis=1))
+            alpha = lh._exp(m_a - ma_new)
+            da = za - ma_new[:, None]
+            e = lh._exp(da)
+            live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
+            if HAS_ENT:
+                ent = lh._rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
+            if HAS_D:
+                d_a = alpha * d_a + tl.sum(tl.where(live, e * (za - zb), 0.0), axis=1)
+            s_a = s_a * alpha + tl.sum(e, axis=1)
+            m_a = ma_new
+            mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
+            s_b = s_b * lh._exp(m_b - mb_new) + tl.sum(lh._exp(zb - mb_new[:, None]), axis=1)
+            m_b = mb_new
+            col0 += BLOCK_V
+        step = n_splits * N
+        if WEIGHT_S:
+            tl.store(out, m_a, mask=row_ok)
+            tl.store(out + step, s_a, mask=row_ok)
+            tl.store(out + 2 * step, m_b, mask=row_ok)
+            tl.store(out + 3 * step, s_b, mask=row_ok)
+        else:
+            tl.store(out, m_b, mask=row_ok)
+            tl.store(out + step, s_b, mask=row_ok)
+            tl.store(out + 2 * step, m_a, mask=row_ok)
+            tl.store(out + 3 * step, s_a, mask=row_ok)
+        tl.store(out + 4 * step, ent, mask=row_ok)
+        tl.store(out + 5 * step, d_a, mask=row_ok)
+
+
+@triton.jit
+def _two_dz_kernel(
+    # pointers
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr, dbp_ptr,
+    # sizes
+    N, Ds, Dt, v_begin, v_end,
+    # strides
+    sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, stride_dz, stride_dbp,
+    # options
+    softcap, inv_temp, log_beta, log_1mb, scale,
+    # meta-parameters
+    MODE: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED: tl.constexpr,
+):
+    # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
+    # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - R); MODE 2: scale p_s (log p_s - log M - R).
+    pid = tl.program_id(0)
+    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
+    pid_n, pid_v = lh._grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
+    lcol0 = pid_v.to(tl.int64) * BLOCK_V
+    row0 = pid_n.to(tl.int64) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_in = tl.minimum(rows, N - 1)
+    col0 = lcol0 + v_begin
+    # Tiles past the chunk's end are masked here (the logits tile reads up to V, its own bound).
+    zs, zt, zcs, col_ok = _two_tiles(
+        xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, v_end, Ds, Dt,
+        sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
+        HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
+        DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+    ms = tl.load(stats_ptr + rows_in)
+    lss = tl.load(stats_ptr + N + rows_in)
+    mt = tl.load(stats_ptr + 2 * N + rows_in)
+    lst = tl.load(stats_ptr + 3 * N + rows_in)
+    g = tl.load(g_ptr + rows_in)
+    ls = (zs - ms[:, None]) - lss[:, None]
+    lt = (zt - mt[:, None]) - lst[:, None]
+    ps = tl.exp2(ls * LOG2E)
+    if MODE == 0:
+        gz = ps - tl.exp2(lt * LOG2E)
+    else:
+        r = tl.load(r_ptr + rows_in)
+        if MODE == 1:
+            inner = ls - lt - r[:, None]
+        else:
+            inner = ls - _log_mix(lt, ls, log_beta, log_1mb) - r[:, None]
+        gz = tl.where(ps > 0, ps * inner, 0.0) * scale
+    gz = gz * g[:, None]
+    if HAS_TEMP:
+        gz = gz * inv_temp
+    if HAS_SOFTCAP:
+        u = zcs / softcap
+        gz = gz * (1.0 - u * u)
+    ok = row_ok[:, None] & col_ok[None, :]
+    if STORE_DZ:
+        if DZ_TMA:
+            # dz_ptr: a descriptor of the chunk's (N, v_end - v_begin) dz; the copy engine drops what falls past it.
+            dz_ptr.store([row0.to(tl.int32), lcol0.to(tl.int32)], lh._cast(gz, dz_ptr.dtype, UPCAST))
+        else:
+            offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
+            tl.store(dz_ptr + (row0 * stride_dz + lcol0) + offs, lh._cast(gz, dz_ptr.dtype.element_ty, UPCAST),
+                     mask=ok)
+    if HAS_DB:
+        lcols = lcol0 + tl.arange(0, BLOCK_V)
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(tl.where(ok, gz, 0.0), axis=0),
+                 mask=col_ok)
+
+
+def _splits(n_blocks: int, n_vtiles: int, sms: int) -> int:
+    """Vocabulary splits per token block for the forward: the fewest that fill every multiprocessor, then more while
+    the last wave is under 90% full (each split costs a few float32 partials per row)."""
+    best, best_eff = 1, 0.0
+    for s in range(max(1, cdiv(sms, n_blocks)), min(n_vtiles, 64) + 1):
+        programs = n_blocks * s
+        eff = programs / (cdiv(programs, sms) * sms)
+        if eff >= 0.9:
+            return s
+        if eff > best_eff:
+            best, best_eff = s, eff
+    return min(best, n_vtiles)
+
+
+def _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp):
+    """Operands (descriptors where both heads allow them), strides and flags shared by the kernels."""
+    tma = lh._use_tma(cfg, xs, ws, None) and lh._use_tma(cfg, xt, wt, None)
+    xso, wso = lh._operands(xs, ws, tma, cfg.block_n, cfg.block_v, cfg.block_k)
+    xto, wto = lh._operands(xt, wt, tma, cfg.block_n, cfg.block_v, cfg.block_k)
+    dummy = lh._dummy(xs)
+    args = (xso, wso, bs if bs is not None else dummy, xto, wto, bt if bt is not None else dummy)
+    strides = (xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), xt.stride(0), xt.stride(1), wt.stride(0),
+               wt.stride(1))
+    meta = dict(HAS_BS=bs is not None, HAS_BT=bt is not None, HAS_SOFTCAP=softcap is not None,
+                HAS_TEMP=inv_temp != 1.0, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+                GROUP=cfg.group, EVEN_KS=xs.shape[1] % cfg.block_k == 0, EVEN_KT=xt.shape[1] % cfg.block_k == 0,
+                **lh._dot_flags(xs), USE_TMA=tma, FUSED=bool(FUSED_K and tma and xs.shape[1] == xt.shape[1]),
+                num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    return args, strides, meta, dummy
+
+
+# Columns of dz per float32 product where torch has no matmul with a float32 output (torch < 2.8, see _products).
+_UPCAST_COLS = 1024
+
+
+def _products(dz, xs, wc, dw_rows, dx_acc, accumulate: bool) -> None:
+    """linear_head._products_torch (dW rows = dz^T x, dx_acc = or += dz wc, float32 reductions); where torch cannot
+    write a bfloat16/float16 product into a float32 output (torch < 2.8 on CUDA), dx_acc takes float32 products of
+    column slices of dz instead (slower, as exact)."""
+    if not (xs.is_cuda and xs.dtype != torch.float32 and not lh._MM_OUT_DTYPE) or dx_acc is None:
+        lh._products_torch(dz, xs, wc, dw_rows, dx_acc, accumulate)
+        return
+    lh._products_torch(dz, xs, wc, dw_rows, None, accumulate)
+    if not accumulate:
+        dx_acc.zero_()
+    for c0 in range(0, dz.shape[1], _UPCAST_COLS):
+        c1 = min(c0 + _UPCAST_COLS, dz.shape[1])
+        dx_acc.addmm_(dz[:, c0:c1].float(), wc[c0:c1].float())
+
+
+def _beta_logs(kind, beta):
+    if kind != "jsd":
+        return 0.0, 0.0
+    return math.log(beta), math.log1p(-beta)
+
+
+def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
+    """(m_s, logs_s, m_t, logs_t, ea, da, kt, ks) per row; see the module docstring."""
+    N, Ds = xs.shape
+    V = ws.shape[0]
+    f32 = dict(device=xs.device, dtype=torch.float32)
+    if N == 0:
+        e = torch.empty(0, **f32)
+        return (e, e, e, e, e, e) + ((e, e) if kind == "jsd" else (None, None))
+    cfg = _config(xs)
+    n_blocks = cdiv(N, cfg.block_n)
+    n_vtiles = cdiv(V, cfg.block_v)
+    sms = lh._num_sms(xs.device) if xs.device.type == "cuda" else lh._INTERPRETER_FWD_SMS
+    n_splits = _splits(n_blocks, n_vtiles, sms)
+    per = cdiv(n_vtiles, n_splits)
+    n_splits = cdiv(n_vtiles, per)
+    args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
+    lb, l1 = _beta_logs(kind, beta)
+    grid = (n_blocks * n_splits,)
+    opts = (float(softcap or 1.0), float(inv_temp), lb, l1)
+    part = lh._new((6, n_splits, N), **f32)
+    # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
+    # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
+    # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
+    # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
+    _two_fwd_kernel[grid](*args, dummy, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
+                          MODE=0, WEIGHT_S=kind == "rkl", HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
+                          EVEN_V=V % cfg.block_v == 0, **meta)
+    # Merge the splits: every partial moved to the row's overall maxima.
+    m_s, s_s, m_t, s_t, ent, d_a = part.unbind(0)
+    big_s, big_t = m_s.amax(0), m_t.amax(0)
+    sc_s, sc_t = torch.exp(m_s - big_s), torch.exp(m_t - big_t)
+    S_s, S_t = (s_s * sc_s).sum(0), (s_t * sc_t).sum(0)
+    w_s = kind == "rkl"
+    m_a, s_a, sc_a, S_a, big_a = (m_s, s_s, sc_s, S_s, big_s) if w_s else (m_t, s_t, sc_t, S_t, big_t)
+    w = sc_a * s_a
+    ent = (sc_a * ent + torch.where(w > 0, w * (m_a - big_a), 0.0)).sum(0)
+    d_a = (sc_a * d_a).sum(0)
+    logs_s, logs_t = torch.log(S_s), torch.log(S_t)
+    if kind != "jsd":
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None
+    part2 = lh._new((2, n_splits, N), **f32)
+    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
+                          n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
+                          EVEN_V=V % cfg.block_v == 0, **meta)
+    kt, ks = part2.sum(1).unbind(0)
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks
+
+
+def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
+             need_dw, need_db, workspace_bytes=None):
+    """Gradients (dx_s, dW_s, db_s) of the student head; see the module docstring."""
+    N, D = xs.shape
+    V = ws.shape[0]
+    need_db = bool(need_db and bs is not None)
+    dx = lh._new((N, D), device=xs.device, dtype=xs.dtype) if need_dx else None
+    dw = lh._new((V, D), device=xs.device, dtype=ws.dtype) if need_dw else None
+    db = lh._new(V, device=xs.device, dtype=torch.float32) if need_db else None
+    if N == 0 or D == 0:
+        for t in (dx, dw, db):
+            if t is not None:
+                t.zero_()
+        return dx, dw, None if db is None else db.to(bs.dtype)
+    cfg = _dz_config(xs)
+    ws_plan = lh._workspace(N, D, xs.element_size(), workspace_bytes)
+    plan = lh._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
+    args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
+    stats = torch.stack([m_s, logs_s, m_t, logs_t])
+    lb, l1 = _beta_logs(kind, beta)
+    mode = _MODES[kind]
+    scale = 1.0 - beta if kind == "jsd" else 1.0
+    n_blocks = cdiv(N, cfg.block_n)
+    f32 = dict(device=xs.device, dtype=torch.float32)
+    scratch = []
+
+    def scratch_view(cols):
+        n = N * cols
+        if not scratch or scratch[0].numel() < n:
+            scratch[:] = [lh._new(max(ws_plan.scratch // xs.element_size(), n), device=xs.device, dtype=xs.dtype)]
+        return scratch[0][:n].view(N, cols)
+
+    def dz_pass(v0, v1, dz, with_db):
+        store = dz is not None
+        dz_tma = store and DZ_STORE_TMA and meta["USE_TMA"] and lh._tma_ok(dz)
+        dz_arg = dz
+        if dz_tma:
+            dz_arg = lh.TensorDescriptor.from_tensor(dz, [cfg.block_n, cfg.block_v])
+        dbp = lh._new((n_blocks, v1 - v0), **f32) if with_db else None
+        _two_dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.block_v),)](
+            *args, stats, R if R is not None else dummy, g, dz_arg if store else dummy, dbp if with_db else dummy,
+            N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
+            float(softcap or 1.0), float(inv_temp), lb, l1, scale,
+            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, **meta)
+        if with_db:
+            torch.sum(dbp, dim=0, out=db[v0:v1])
+
+    need_dz = need_dx or need_dw
+    first = True
+    for v0, v1, dz_at, _ in lh._first_pass(N, V, D, cfg, plan, False, need_dz, None):
+        dz = None
+        if dz_at is not None:
+            dz = dw.view(-1)[dz_at: dz_at + N * (v1 - v0)].view(N, v1 - v0)
+        elif need_dz:
+            dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else scratch_view(v1 - v0)
+        dz_pass(v0, v1, dz, need_db)
+        if need_dz:
+            dw_rows = dw[v0:v1] if need_dw and v1 <= plan.dw_end else None
+            _products(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
+            first = False
+    if need_dx and plan.cast_dx:
+        dx.copy_(plan.dx_acc)
+    if need_dw and plan.dw_end < V:
+        # The dW rows that held the dx accumulator: recomputed now that dx is final.
+        for v0, v1, in_dw in lh._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False, ws_plan.scratch):
+            if in_dw:
+                dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
+            else:
+                dz = scratch_view(v1 - v0)
+            dz_pass(v0, v1, dz, False)
+            _products(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
+    return dx, dw, None if db is None else db.to(bs.dtype)
+
+
+for _op in ("linear_kl_div", "linear_jsd", "linear_soft_cross_entropy"):
+    _dispatch.register_triton_op(_op)
