@@ -25,7 +25,8 @@ def grads(out: torch.Tensor, inputs, upstream: torch.Tensor | None = None):
     inputs = [t for t in inputs if t is not None and t.requires_grad]
     if upstream is None:
         upstream = torch.ones_like(out)
-    return torch.autograd.grad(out, inputs, grad_outputs=upstream.to(out.dtype), allow_unused=False)
+    return torch.autograd.grad(out, inputs, grad_outputs=upstream.to(device=out.device, dtype=out.dtype),
+                               allow_unused=False)
 
 
 N, D, V = 37, 45, 300  # odd sizes: no dimension is a multiple of a chunk or a tile

@@ -266,11 +266,12 @@ def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, 
         db_c = torch.zeros(v1 - v0, device=xs.device, dtype=acc) if need_b else None
         for i0, i1 in reference._chunks(n, cn):
             sl = slice(i0, i1)
-            zs = _chunk_logits(xs, ws, bs, i0, i1, v0, v1, softcap, inv_temp)
+            raw = _chunk_logits(xs, ws, bs, i0, i1, v0, v1, None, 1.0)  # the chain rule needs the raw logits
+            zs = reference._transform(raw, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             dz = dz_student(kind, beta, zs, zt, st.m_s[sl], st.logs_s[sl], st.m_t[sl], st.logs_t[sl],
                             None if R is None else R[sl], g[sl])
-            dz = reference._chain_transform(dz, zs, softcap, inv_temp)
+            dz = reference._chain_transform(dz, raw, softcap, inv_temp)
             if need_x:
                 dx[sl] += dz @ w_c
             if need_w:
