@@ -239,6 +239,11 @@ def cross_entropy(
     chosen = resolve_backend(backend, logits.device, "cross_entropy")
     if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
         chosen = "torch"  # float64 has no kernels
+    if logits2d.shape[1] == 1:
+        # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
+        # ulp there (1e-8 with softcap, measured on an H100) where PyTorch gives 0; the PyTorch path transforms the
+        # logits once and gets the exact zeros. N values: nothing to fuse.
+        chosen = "torch"
     # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
     inplace_backward = inplace_backward and torch.is_grad_enabled()
     if inplace_backward:
