@@ -1,4 +1,4 @@
-"""linear_cross_entropy on the PyTorch path against float64 ground truth, under the STYLE.md error rule."""
+"""linear_cross_entropy on the PyTorch path against float64 ground truth, under the precision rule (CONTRIBUTING.md)."""
 
 import itertools
 
