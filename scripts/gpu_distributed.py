@@ -13,7 +13,7 @@ go to the first ranks). In bfloat16:
 1. options check (N=2048, D=1024, V=50257, "lm" data, 10% ignored tokens), for backend "triton" and "torch":
    linear_cross_entropy with bias, class weights, label smoothing, z-loss and softcap; linear_log_probs with the
    entropy (temperature 0.9, softcap, random upstream gradients); linear_logsumexp. Loss / outputs and d_input,
-   d_weight (this rank's rows), d_bias against float64 under the precision rule of CONTRIBUTING.md (ours <= 2 x PyTorch-in-bf16 error
+   d_weight (this rank's rows), d_bias against float64 under the precision rule (ours <= 2 x PyTorch-in-bf16 error
    + 1e-6), and every rank's outputs bitwise equal;
 2. full shape (--shape, default llama3-8b = 16384 x 4096 x 128256): on the first --check-rows tokens (full D, V)
    the loss, d_input and d_weight against float64 under the rule; on all tokens the loss and gradients against the

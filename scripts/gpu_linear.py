@@ -9,7 +9,7 @@ For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked soft
 "uniform" = the head at initialisation), in bfloat16:
 - check: on the first --check-rows tokens (full D and V), the loss and d_input / d_weight of
   linear_cross_entropy (mean, 10% ignored tokens) and log-probs + entropy (temperature 0.9, random upstream) of
-  linear_log_probs against float64, under the precision rule of CONTRIBUTING.md (ours <= 2 x PyTorch-in-bf16 error + 1e-6); on the full
+  linear_log_probs against float64, under the precision rule (ours <= 2 x PyTorch-in-bf16 error + 1e-6); on the full
   shape, the loss (and for "lm" the gradients) against the chunked float32 PyTorch path;
 - time (CUDA events, median of --reps after 2 warm-ups): the forward (loss, no grad), forward + backward
   (autograd.grad of the mean loss w.r.t. input and weight), no-grad log-probs; the dense floor = the three cuBLAS
@@ -79,7 +79,7 @@ def leaf(t):
 
 
 def check_slice(head, rows, tag):
-    """precision rule of CONTRIBUTING.md on the first `rows` tokens: loss, d_input, d_weight; log-probs, entropy and their grads."""
+    """precision rule on the first `rows` tokens: loss, d_input, d_weight; log-probs, entropy and their grads."""
     failures = []
     x, w, t = head.input[:rows], head.weight, head.target[:rows].clone()
     t[::10] = -100

@@ -1,4 +1,4 @@
-"""cross_entropy on existing logits, PyTorch path, against float64 ground truth (the precision rule, CONTRIBUTING.md)."""
+"""cross_entropy on existing logits, PyTorch path, against float64 ground truth (the precision rule)."""
 
 import itertools
 

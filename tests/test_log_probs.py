@@ -1,4 +1,4 @@
-"""linear_log_probs / linear_logsumexp on the PyTorch path against float64 ground truth (the precision rule, CONTRIBUTING.md)."""
+"""linear_log_probs / linear_logsumexp on the PyTorch path against float64 ground truth (the precision rule)."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""cross_entropy on existing logits, Triton path (the interpreter on CPU), against float64 (the precision rule, CONTRIBUTING.md).
+"""cross_entropy on existing logits, Triton path (the interpreter on CPU), against float64 (the precision rule).
 
 Small shapes run through the interpreter; tests marked gpu run the in-place kernel at real vocabulary sizes, where
 its gradient units really wait for rows whose statistics other programs are still computing (the interpreter runs

@@ -1,5 +1,5 @@
 """linear_cross_entropy / linear_log_probs / linear_logsumexp on the Triton path (the interpreter on CPU) against
-float64, under the precision rule (CONTRIBUTING.md); tests marked gpu run the four issue shapes, int64 offsets and determinism.
+float64, under the precision rule; tests marked gpu run the four issue shapes, int64 offsets and determinism.
 
 Small shapes (N=37, D=45, V=300) leave partial tiles in every direction with the interpreter's tiles (32 x 64 x 32).
 Every test runs with outputs and workspaces poisoned with NaN, so an element that is never written fails the rule.
