@@ -12,7 +12,6 @@ Model loading, tokenizing and the head check are `logitless score`'s (score._Mod
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -20,7 +19,7 @@ import sys
 
 import torch
 
-from . import _files, score
+from . import score
 from .score import ScoreError
 
 # The length the Binoculars paper scores documents at (their tokens truncated to it).
@@ -93,21 +92,8 @@ def _run(args) -> int:
         raise ScoreError(f"--max-length must be at least 2, got {args.max_length}")
     score._check_inputs(args.files)
     sources = [_source(path, flag) for path, flag in ((args.observer, "--observer"), (args.performer, "--performer"))]
-    to_file = args.output != "-"
-    try:
-        if to_file:
-            _files.check_output(args.output, args.files, what="--output")
-        else:
-            _files.check_stdout(args.files)
-    except _files.OutputError as e:
-        raise ScoreError(str(e)) from None
-    if to_file:  # written beside the output and renamed into place only when every document is scored
-        try:
-            sink = _files.atomic_open(args.output, "w", encoding="utf-8")
-        except OSError as e:
-            raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
-    else:
-        sink = contextlib.nullcontext(sys.stdout)
+    score.check_output(args)
+    sink = score.output_sink(args)  # renamed into place only when every document is scored
     n_docs = 0
     with sink as out, torch.inference_mode():
         obs, perf = (score._Model(src, args.dtype, args.device, args.backend) for src in sources)

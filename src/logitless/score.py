@@ -566,29 +566,37 @@ def _record(doc: Document, ids: list[int], parts, per_token: bool, tokenizer) ->
     return rec, total
 
 
-def _run(args) -> int:
-    _check_args(args)
-    _check_inputs(args.files)
-    source = _model_source(args)
-    to_file = args.output != "-"
+def check_output(args) -> None:
+    """--output (or standard output) is none of the input files: refused before anything loads."""
     try:
-        if to_file:
+        if args.output != "-":
             _files.check_output(args.output, args.files, what="--output")
         else:
             _files.check_stdout(args.files)
     except _files.OutputError as e:
         raise ScoreError(str(e)) from None
+
+
+def output_sink(args):
+    """Where the records go: standard output, or a temporary file beside --output renamed into place only when the
+    run succeeds (a failed run leaves an existing output as it was)."""
+    if args.output == "-":
+        return contextlib.nullcontext(sys.stdout)
+    try:
+        return _files.atomic_open(args.output, "w", encoding="utf-8")
+    except OSError as e:
+        raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+
+
+def _run(args) -> int:
+    _check_args(args)
+    _check_inputs(args.files)
+    source = _model_source(args)
+    check_output(args)
     totals = _scan(args)
     docs = _all_documents(args)
     first = next(docs, None)  # standard input: nothing to score loads no model either
-    if to_file:
-        try:
-            sink = _files.atomic_open(args.output, "w", encoding="utf-8")
-        except OSError as e:
-            raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
-    else:
-        sink = contextlib.nullcontext(sys.stdout)
-    with sink as out:
+    with output_sink(args) as out:
         if first is None:
             stats = (0, 0, 0.0)
         else:

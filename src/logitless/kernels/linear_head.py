@@ -1327,6 +1327,12 @@ class _Workspace(NamedTuple):
     own_acc: bool  # allocate the float32 dx accumulator (4 N D bytes) instead of borrowing dW rows
 
 
+def acc_forced(x, need_dx: bool, need_dw: bool, N: int, V: int, D: int) -> bool:
+    """Whether the float32 dx accumulator must have its own buffer whatever the budget: a half-precision dx with no
+    dW rows to borrow (a frozen head, or V < 2N; _plan)."""
+    return need_dx and x.dtype != torch.float32 and not (need_dw and V * D >= 2 * N * D + 8)
+
+
 def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, acc_forced: bool = False
                ) -> _Workspace:
     """How the backward spends a budget of workspace_bytes (None: default_workspace_bytes(N, V); at most
@@ -1457,9 +1463,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     has_perm = perm is not None
     aligned = has_perm or tile_lse is not None
     skip = (tile_lse is not None and skip_threshold > 0 and B is None and E is None and skip_supported(x))
-    # (the float32 dx accumulator is allocated whatever the budget when there are no dW rows to borrow: _plan)
-    acc_forced = need_dx and x.dtype != torch.float32 and not (need_dw and V * D >= 2 * N * D + 8)
-    ws = _workspace(N, V, D, x.element_size(), workspace_bytes, acc_forced)
+    ws = _workspace(N, V, D, x.element_size(), workspace_bytes, acc_forced(x, need_dx, need_dw, N, V, D))
     plan = _plan(x, dx, dw, N, V, D, cfg, aligned, ws)
     dummy = _dummy(x)
     f32 = dict(device=x.device, dtype=torch.float32)

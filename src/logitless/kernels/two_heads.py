@@ -433,9 +433,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
                 t.zero_()
         return dx, dw, None if db is None else db.to(bs.dtype)
     cfg = _dz_config(xs)
-    # The single head's rule for the accumulator: it is allocated whenever there is no dW to borrow.
-    acc_forced = need_dx and xs.dtype != torch.float32 and not (need_dw and V * D >= 2 * N * D + 8)
-    ws_plan = lh._workspace(N, V, D, xs.element_size(), workspace_bytes, acc_forced)
+    ws_plan = lh._workspace(N, V, D, xs.element_size(), workspace_bytes, lh.acc_forced(xs, need_dx, need_dw, N, V, D))
     plan = lh._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
     args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     stats = torch.stack([m_s, logs_s, m_t, logs_t])
