@@ -257,6 +257,11 @@ REGRESSIONS = [
     # an unsaturated softcap: 1 / cosh^2 instead of PyTorch's 1 - tanh^2 made one cancelling sum 5x PyTorch's error
     dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=4.0, softcap=0.5,
          ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=1),
+    # the kernels' saturated softcap: 1 - u^2 from the capped logit cancelled (6x PyTorch's float32 error)
+    dict(_BASE, op="linear_cross_entropy", backend="triton", dtype="float32", n=3, v=5, d=1, scale=30.0, softcap=5.0,
+         ignore_frac=0.0, reduction="mean", bias=False, seed=5),
+    dict(_BASE, op="linear_log_probs", backend="triton", dtype="float32", n=3, v=5, d=1, scale=30.0, softcap=5.0,
+         ignore_frac=0.0, bias=False, seed=5, temperature=1.0, return_entropy=False),
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),

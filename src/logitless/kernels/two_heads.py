@@ -88,8 +88,8 @@ def _two_tiles(
     EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     FUSED: tl.constexpr,
 ):
-    """Both heads' transformed logits [BLOCK_N, BLOCK_V] at (row0, col0), the student's before the temperature
-    (for the softcap's derivative), and the column mask. FUSED (tensor descriptors, Ds == Dt): both products in
+    """Both heads' transformed logits [BLOCK_N, BLOCK_V] at (row0, col0), the slope of the student's softcap
+    (its derivative; 1.0 without one), and the column mask. FUSED (tensor descriptors, Ds == Dt): both products in
     one reduction loop, one software pipeline per tile instead of one per head."""
     cols = col0 + tl.arange(0, BLOCK_V)
     col_ok = cols < V
@@ -110,9 +110,9 @@ def _two_tiles(
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
         acc_t = lh._logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
-    zs, zcs = lh._transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
-    zt, _ = lh._transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
-    return zs, zt, zcs, col_ok
+    zs, _, slope_s = lh._transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
+    zt, _, _ = lh._transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
+    return zs, zt, slope_s, col_ok
 
 
 @triton.jit
@@ -172,7 +172,7 @@ def _two_fwd_kernel(
         kt = tl.zeros((BLOCK_N,), tl.float32)
         ks = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
-            zs, zt, _zc, col_ok = _two_tiles(
+            zs, zt, _slope, col_ok = _two_tiles(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
@@ -198,7 +198,7 @@ def _two_fwd_kernel(
         ent = tl.zeros((BLOCK_N,), tl.float32)
         d_a = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
-            zs, zt, _zc, col_ok = _two_tiles(
+            zs, zt, _slope, col_ok = _two_tiles(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
@@ -271,7 +271,7 @@ def _two_dz_kernel(
     rows_in = tl.minimum(rows, N - 1)
     col0 = lcol0 + v_begin
     # Tiles past the chunk's end are masked here (the logits tile reads up to V, its own bound).
-    zs, zt, zcs, col_ok = _two_tiles(
+    zs, zt, slope_s, col_ok = _two_tiles(
         xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, v_end, Ds, Dt,
         sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
         HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
@@ -297,8 +297,7 @@ def _two_dz_kernel(
     if HAS_TEMP:
         gz = gz * inv_temp
     if HAS_SOFTCAP:
-        u = zcs / softcap
-        gz = gz * (1.0 - u * u)
+        gz = gz * slope_s
     ok = row_ok[:, None] & col_ok[None, :]
     if STORE_DZ:
         if DZ_TMA:
