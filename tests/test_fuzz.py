@@ -262,6 +262,9 @@ REGRESSIONS = [
          ignore_frac=0.0, reduction="mean", bias=False, seed=5),
     dict(_BASE, op="linear_log_probs", backend="triton", dtype="float32", n=3, v=5, d=1, scale=30.0, softcap=5.0,
          ignore_frac=0.0, bias=False, seed=5, temperature=1.0, return_entropy=False),
+    # a softcap saturated past float64's tanh: the truth's 1 - tanh^2 was exactly 0 where ours resolved 4e-24
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=30.0, softcap=0.5,
+         ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=0),
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
