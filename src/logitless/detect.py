@@ -179,8 +179,8 @@ def score_batch(obs, perf, ids_list: list[list[int]], backend: str = "auto"):
     ids, mask = ids.to(dev), mask.to(dev)
     r, c = torch.tensor(rows, device=dev, dtype=torch.long), torch.tensor(cols, device=dev, dtype=torch.long)
     # One transform for both (_check_pair): the softcap and temperature of either are those of both heads.
-    h_obs, b_obs, softcap, temperature = obs.head_inputs(obs._hidden(ids, mask)[r, c])
-    h_perf, b_perf, _, _ = perf.head_inputs(perf._hidden(ids, mask)[r, c])
+    h_obs, b_obs, softcap, temperature = score.head_inputs(obs.head, obs._hidden(ids, mask)[r, c])
+    h_perf, b_perf, _, _ = score.head_inputs(perf.head, perf._hidden(ids, mask)[r, c])
     targets = ids[r, c + 1]
     lp = linear_log_probs(h_obs, obs.weight, targets, linear_bias=b_obs, softcap=softcap, temperature=temperature,
                           backend=backend)

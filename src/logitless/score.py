@@ -343,8 +343,8 @@ class _Model:
             head = heads.find_head(model)
         except (TypeError, ValueError, NotImplementedError) as e:
             raise ScoreError(f"{type(model).__name__}: {e}") from None
-        self.backbone, self.weight, self.bias = head.backbone, head.weight, head.bias
-        self.transform = head.transform
+        self.head = head
+        self.backbone, self.weight, self.bias, self.transform = head.backbone, head.weight, head.bias, head.transform
         self.vocab = self.weight.shape[0]
         self.check_head()
 
@@ -390,16 +390,8 @@ class _Model:
         out = self.backbone(input_ids=ids, attention_mask=mask, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
-    def head_inputs(self, h):
-        """(hidden states, bias, softcap, temperature) for linear_log_probs with self.weight: the model's logits."""
-        return self.transform.for_log_probs(h.to(self.weight.dtype), self.bias)
-
     def _head(self, h, targets, want_entropy):
-        from .log_probs import linear_log_probs
-
-        h, bias, softcap, temperature = self.head_inputs(h)
-        return linear_log_probs(h, self.weight, targets, linear_bias=bias, softcap=softcap, temperature=temperature,
-                                return_entropy=want_entropy, backend=self.backend)
+        return head_log_probs(self.head, h, targets, want_entropy, self.backend)
 
     def check_head(self) -> None:
         """Compare our head with the model's own logits on a short probe; raise if the architecture differs.
@@ -431,6 +423,22 @@ def _first_line(e: Exception) -> str:
     """The first line of an error message (transformers' can run to pages): enough to say what is missing."""
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def head_inputs(head, h: torch.Tensor):
+    """(hidden states, bias, softcap, temperature) that give linear_log_probs with head.weight the model's logits
+    at the final hidden states `h` (heads.Head: the weight, the bias and the logit transform of the model)."""
+    return head.transform.for_log_probs(h.to(head.weight.dtype), head.bias)
+
+
+def head_log_probs(head, h: torch.Tensor, targets: torch.Tensor, want_entropy: bool = False, backend: str = "auto"):
+    """log p(target) of the model's head at the final hidden states `h` [N, D] (and the entropy of each prediction
+    when `want_entropy`), computed by linear_log_probs: no [N, V] logits."""
+    from .log_probs import linear_log_probs
+
+    x, bias, softcap, temperature = head_inputs(head, h)
+    return linear_log_probs(x, head.weight, targets, linear_bias=bias, softcap=softcap, temperature=temperature,
+                            return_entropy=want_entropy, backend=backend)
 
 
 def _describe(transform) -> str:

@@ -176,24 +176,23 @@ def transform_lines(src: str) -> list[str]:
 def applied_rules(model: nn.Module, src: str | None = None) -> tuple[Rule, ...]:
     """The rules of the model's type whose transform its forward applies (the attribute set, the source matching).
 
-    Raises UnknownTransformError when the type has no rules and the forward's source transforms the logits."""
+    Raises UnknownTransformError when the forward's source transforms the logits and no rule of the type matches
+    it (a type without rules, or a forward that changed from what the rules describe)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if src is None:
         src = forward_source(model)
-    rules = RULES.get(model_type)
-    if rules is None:
-        lines = transform_lines(src) if src is not None else []
-        if lines:
-            raise UnknownTransformError(
-                f"{type(model).__name__} (model_type {model_type!r}) transforms its logits in its forward "
-                f"({'; '.join(lines)}), which logitless has no rule for; only the transforms listed in "
-                "logitless.integrations.heads.RULES are reproduced"
-            )
-        return ()
+    rules = RULES.get(model_type, ())
+    lines = transform_lines(src) if src is not None else []
+    matching = tuple(r for r in rules if src is None or re.search(r.pattern(), src) is not None)
+    if lines and not matching:
+        raise UnknownTransformError(
+            f"{type(model).__name__} (model_type {model_type!r}) transforms its logits in its forward "
+            f"({'; '.join(lines)}), which logitless has no rule for; only the transforms listed in "
+            "logitless.integrations.heads.RULES are reproduced"
+        )
     cfg = text_config(config)
-    return tuple(r for r in rules if getattr(cfg, r.attr, None) is not None
-                 and (src is None or re.search(r.pattern(), src) is not None))
+    return tuple(r for r in matching if getattr(cfg, r.attr, None) is not None)
 
 
 def transform_of(config, rules: tuple[Rule, ...]) -> LogitTransform:
