@@ -13,8 +13,9 @@ and for ``logitless score`` / ``logitless detect`` (per-token log-probabilities)
   - :func:`find_transform`: the :class:`LogitTransform` of the model, from the table ``RULES`` keyed by
     ``config.model_type``. Each rule names the config attribute, what the forward does with it, and a pattern of
     the forward's source that says it does so; a rule applies when the attribute is set and the class's forward
-    matches the pattern. A model type without rules whose forward visibly transforms its logits is refused
-    (:class:`UnknownTransformError`), so that no loss or log-prob is computed for a head we do not reproduce.
+    matches the pattern. A forward that visibly transforms its logits (or its final hidden states) and matches no
+    rule of its type is refused (:class:`UnknownTransformError`), so that no loss or log-prob is computed for a
+    head this module does not reproduce.
 
 The table was read off the forwards of transformers 5.x; tests/test_hf.py checks every rule against the installed
 transformers, and checks that every installed causal LM whose forward transforms its logits has rules.
