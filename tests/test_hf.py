@@ -6,6 +6,9 @@ own error) and float32 patched (ours), and applies the error rule to the loss an
 
 import copy
 import functools
+import inspect
+import os
+import re
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import logitless  # noqa: E402
 from logitless import reference  # noqa: E402
-from logitless.integrations import hf  # noqa: E402
+from logitless.integrations import heads, hf  # noqa: E402
 from tests.helpers import assert_within_rule  # noqa: E402
 
 V = 97  # odd vocabulary
@@ -40,10 +43,17 @@ MODELS = {
                                                    embd_pdrop=0.0)),  # tied head
     "cohere": ("CohereForCausalLM", "CohereConfig", dict(LLAMA_LIKE, logit_scale=0.5)),  # logits * scale, tied
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(LLAMA_LIKE, logits_scaling=4.0)),  # logits / scale
+    # hidden states / scale before the head: logits_scaling = hidden_size / dim_model_base = 4; tied head.
+    "minicpm3": ("MiniCPM3ForCausalLM", "MiniCPM3Config", dict(LLAMA_LIKE, num_key_value_heads=4, dim_model_base=8,
+                                                              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                              qk_rope_head_dim=8, v_head_dim=8)),
     # MoE with the router loss off; eager experts because the grouped matmul has no float64.
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
                                                             experts_implementation="eager")),
 }
+
+if hasattr(transformers, "HyperCLOVAXForCausalLM"):  # logits * scale, where Granite divides by the same attribute
+    MODELS["hyperclovax"] = ("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", dict(LLAMA_LIKE, logits_scaling=0.25))
 
 
 @functools.cache
@@ -145,6 +155,104 @@ def test_tied_and_biased_heads_are_what_the_grid_covers():
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     assert cohere.lm_head.weight is cohere.model.embed_tokens.weight
     assert phi.lm_head.bias is not None
+
+
+# One model per kind of logit transform, each far from the identity here (a scale of 4 or 1/4 on logits of std ~1, a
+# softcap of 2 on them), so that a transform left out or applied the wrong way round fails both comparisons.
+TRANSFORMS = {
+    "multiply": "hyperclovax" if "hyperclovax" in MODELS else "cohere",
+    "divide": "granite",
+    "hidden": "minicpm3",
+    "softcap": "gemma2",
+}
+EXPECTED_TRANSFORM = {
+    "hyperclovax": heads.LogitTransform(logit_scale=0.25), "cohere": heads.LogitTransform(logit_scale=0.5),
+    "granite": heads.LogitTransform(logit_scale=0.25), "minicpm3": heads.LogitTransform(hidden_scale=0.25),
+    "gemma2": heads.LogitTransform(softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TRANSFORMS))
+def test_logit_transform_matches_the_model(kind):
+    # The transform heads finds, then patch()'s loss and gradients, and score's per-token log-probs (its head on the
+    # backbone's hidden states), each within the error rule of the model's own forward in float32, against float64.
+    from logitless import score
+
+    name = TRANSFORMS[kind]
+    assert heads.find_transform(_base(name)) == EXPECTED_TRANSFORM[name]
+    compare(name, batch())
+    kw = {k: v for k, v in batch().items() if k != "labels"}
+    targets = kw["input_ids"][:, 1:].reshape(-1)
+
+    def own(dtype):
+        logits = model_copy(name, dtype).eval()(**kw).logits[:, :-1].reshape(-1, V)
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+
+    model = model_copy(name).eval()
+    head = heads.find_head(model)
+    with torch.no_grad():
+        hidden = head.backbone(**kw).last_hidden_state[:, :-1].reshape(-1, head.weight.shape[1])
+        ours = score.head_log_probs(head, hidden, targets, backend="torch")
+        assert_within_rule(f"{name} log-probs", ours, own(torch.float32), own(torch.float64))
+
+
+def _forward_text(class_name):
+    """The source of a transformers class's forward, read from its file without importing the module (importing
+    every causal LM of transformers takes seconds); None where it cannot be found."""
+    module = getattr(transformers, "_class_to_module", {}).get(class_name)
+    if module is None:
+        return None
+    path = os.path.join(os.path.dirname(transformers.__file__), *module.split(".")) + ".py"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    end = r"(?=^    (?:@|def |async def )|^\S)"  # the next method, or the end of the class
+    cls = re.search(rf"^class {class_name}\(.*?^    def forward\(.*?{end}", text, re.S | re.M)
+    return cls.group(0)[cls.group(0).index("    def forward("):] if cls else None
+
+
+def test_transform_rules_match_the_installed_transformers():
+    # Every rule names what its class's forward does (the pattern, operator included, is found in its source), and
+    # every causal LM of the installed transformers whose forward transforms its logits has rules: a model added to
+    # transformers with a new transform fails here rather than being trained or scored on the wrong logits.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    checked = 0
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        text = _forward_text(class_name if isinstance(class_name, str) else class_name[0])
+        if text is None:
+            continue
+        src = heads._code_only(text)
+        lines = heads.transform_lines(src)
+        rules = heads.RULES.get(model_type)
+        if rules is None:
+            assert not lines, f"{class_name} ({model_type}) transforms its logits without a rule: {lines}"
+            continue
+        for rule in rules:
+            found = re.search(rule.pattern(), src) is not None
+            # Gemma 3's multimodal forward has no softcap in some transformers versions: a rule may then not apply,
+            # but one that transforms must.
+            assert found or not lines, f"{class_name}: {rule} does not match its forward"
+            checked += found
+    assert checked >= len(TRANSFORMS)  # the families of the tests above at least
+
+
+def test_unknown_logit_transform_is_refused(monkeypatch):
+    # A model type without rules whose forward scales its logits: patch refuses it (and scoring would too).
+    monkeypatch.delitem(heads.RULES, "granite")
+    with pytest.raises(NotImplementedError, match="logits_scaling"):
+        logitless.patch(model_copy("granite"))
+    with pytest.raises(heads.UnknownTransformError, match="no rule"):
+        heads.find_head(_base("granite"))
+    heads.find_head(_base("llama"))  # a plain head needs no rule
+
+
+def test_head_fed_by_another_module_is_refused():
+    # A head applied to another module's output (a prediction MLP between the backbone and the output embedding)
+    # is not hidden @ W.T: the fused loss would not be the model's.
+    model = model_copy("llama")
+    src = heads._code_only(inspect.getsource(type(model).forward)).replace("self.lm_head(", "self.lm_head(self.norm(")
+    assert not heads.head_applied_directly(model, model.lm_head, src)
+    assert heads.head_applied_directly(model, model.lm_head, heads.forward_source(model))
 
 
 def test_keep_boolean_mask():

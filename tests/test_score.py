@@ -3,7 +3,8 @@
 Tiny randomly initialised models of several families are saved with a tiny BPE tokenizer to a temporary folder (no
 downloads). Each family exercises one thing the command must get right: BOS added by the tokenizer (llama), BOS
 prepended by us (gpt2), no BOS at all and a bias on the head (phi), the final logit softcap (gemma2), logit scales
-(cohere multiplies, granite divides).
+(cohere and hyperclovax multiply, granite divides by the attribute hyperclovax multiplies by), a scale of the hidden
+states before the head (minicpm3).
 """
 
 from __future__ import annotations
@@ -53,7 +54,14 @@ FAMILIES = {
                "added"),
     "cohere": ("CohereConfig", dict(_COMMON, num_key_value_heads=2, logit_scale=0.25), "added"),
     "granite": ("GraniteConfig", dict(_COMMON, num_key_value_heads=2, logits_scaling=4.0), "prepended"),
+    # logits_scaling = hidden_size / dim_model_base = 4, dividing the hidden states
+    "minicpm3": ("MiniCPM3Config", dict(_COMMON, num_key_value_heads=4, dim_model_base=8, q_lora_rank=16,
+                                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+                 "added"),
 }
+if hasattr(transformers, "HyperCLOVAXConfig"):
+    FAMILIES["hyperclovax"] = ("HyperCLOVAXConfig", dict(_COMMON, num_key_value_heads=2, logits_scaling=0.25),
+                               "added")
 
 
 def _tokenizer(bos: str):
@@ -435,10 +443,22 @@ def test_errors(model_dirs, tmp_path, capsys):
 
 
 def test_unknown_head_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
-    # Without its logit scale, granite's head is not what we compute: the start-up probe must refuse it.
-    monkeypatch.delitem(score._LOGIT_SCALES, "granite")
+    # With a logit scale applied the wrong way round (its rule's pattern made to match anything), granite's head is
+    # not what we compute: the start-up probe must refuse it.
+    from logitless.integrations import heads
+
+    monkeypatch.setitem(heads.RULES, "granite", (heads.Rule("logits_scaling", heads.LOGITS_TIMES, marker=""),))
     _fails(["--model", str(model_dirs["granite"]), str(_jsonl(tmp_path, DOCS))], capsys, "GraniteForCausalLM",
            "cannot be scored correctly")
+
+
+def test_unknown_logit_transform_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
+    # A model type without rules whose forward transforms its logits is refused before anything is scored.
+    from logitless.integrations import heads
+
+    monkeypatch.delitem(heads.RULES, "granite")
+    _fails(["--model", str(model_dirs["granite"]), str(_jsonl(tmp_path, DOCS))], capsys, "GraniteForCausalLM",
+           "logits_scaling", "no rule")
 
 
 def test_unusable_backend_is_one_line_before_the_model_loads(model_dirs, tmp_path, capsys, monkeypatch):

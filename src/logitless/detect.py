@@ -80,9 +80,9 @@ def _check_pair(obs: score._Model, perf: score._Model) -> None:
         raise ScoreError("the observer's and the performer's tokenizers differ: Binoculars needs one tokenizer")
     if obs.vocab != perf.vocab:
         raise ScoreError(f"the observer's head has {obs.vocab} classes but the performer's has {perf.vocab}")
-    if (obs.softcap, obs.temperature) != (perf.softcap, perf.temperature):
-        raise ScoreError(f"the models transform their logits differently (softcap {obs.softcap} / {perf.softcap}, "
-                         f"logit scale {1 / obs.temperature:g} / {1 / perf.temperature:g}); not supported")
+    if obs.transform != perf.transform:
+        raise ScoreError(f"the models transform their logits differently ({score._describe(obs.transform)} / "
+                         f"{score._describe(perf.transform)}); not supported")
 
 
 def _run(args) -> int:
@@ -178,14 +178,14 @@ def score_batch(obs, perf, ids_list: list[list[int]], backend: str = "auto"):
     dev = obs.device
     ids, mask = ids.to(dev), mask.to(dev)
     r, c = torch.tensor(rows, device=dev, dtype=torch.long), torch.tensor(cols, device=dev, dtype=torch.long)
-    h_obs = obs._hidden(ids, mask)[r, c].to(obs.weight.dtype)
-    h_perf = perf._hidden(ids, mask)[r, c].to(perf.weight.dtype)
+    # One transform for both (_check_pair): the softcap and temperature of either are those of both heads.
+    h_obs, b_obs, softcap, temperature = score.head_inputs(obs.head, obs._hidden(ids, mask)[r, c])
+    h_perf, b_perf, _, _ = score.head_inputs(perf.head, perf._hidden(ids, mask)[r, c])
     targets = ids[r, c + 1]
-    lp = linear_log_probs(h_obs, obs.weight, targets, linear_bias=obs.bias, softcap=obs.softcap,
-                          temperature=obs.temperature, backend=backend)
-    x = linear_soft_cross_entropy(h_obs, obs.weight, h_perf, perf.weight, linear_bias=obs.bias,
-                                  target_bias=perf.bias, softcap=obs.softcap, temperature=obs.temperature,
-                                  backend=backend)
+    lp = linear_log_probs(h_obs, obs.weight, targets, linear_bias=b_obs, softcap=softcap, temperature=temperature,
+                          backend=backend)
+    x = linear_soft_cross_entropy(h_obs, obs.weight, h_perf, perf.weight, linear_bias=b_obs, target_bias=b_perf,
+                                  softcap=softcap, temperature=temperature, backend=backend)
     nll = (-lp).float().cpu().split(counts)
     xnll = x.float().cpu().split(counts)
     return list(zip(nll, xnll, strict=True))

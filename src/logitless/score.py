@@ -39,16 +39,6 @@ _PROBE_TOKENS = 16
 # assume. bf16/fp16 logits are rounded to 8/11 bits (relative error ~4e-3 at worst, averaging lower), a wrong scale
 # or a missing softcap is O(1e-1) or more.
 _PROBE_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-# Heads that scale the logits after the projection, keyed by config.model_type: (config attribute, multiply?).
-# z_model = c * softcap(W h + b) is scored as softcap(W h + b) / T with T = 1 / c.
-_LOGIT_SCALES = {
-    "cohere": ("logit_scale", True), "cohere2": ("logit_scale", True), "cohere2_moe": ("logit_scale", True),
-    "granite": ("logits_scaling", False), "granitemoe": ("logits_scaling", False),
-    "granitemoeshared": ("logits_scaling", False), "granitemoehybrid": ("logits_scaling", False),
-    "granite_swa": ("logits_scaling", False), "granitemoe_swa": ("logits_scaling", False),
-    "minicpm3": ("logits_scaling", False), "hyperclovax": ("logits_scaling", True),
-    "falcon_h1": ("lm_head_multiplier", True),
-}
 _DEFAULT_MAX_LENGTH = 4096
 # Documents are sorted by length (less padding) within buffers of this many documents or characters: enough to
 # fill batches well, small enough that output streams and a buffer's token ids (Python lists) stay ~100s of MB.
@@ -347,22 +337,15 @@ class _Model:
         # kept the buffers that must stay float32 (RoPE's inv_freq) as they are; a .to(dtype) here would round
         # those too, and the positions' angles with them.
         self.model = model.to(device=self.device).eval()
-        self.backbone = _backbone(model)
-        head = model.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ScoreError(f"{type(model).__name__}: the output embedding is not a linear layer with a 2-D weight")
-        self.weight = weight
-        self.bias = getattr(head, "bias", None)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.softcap = float(softcap) if softcap else None
-        self.temperature = 1.0
-        if cfg.model_type in _LOGIT_SCALES:
-            attr, multiply = _LOGIT_SCALES[cfg.model_type]
-            c = float(getattr(cfg, attr))
-            self.temperature = 1.0 / c if multiply else c
-        self.vocab = weight.shape[0]
+        from .integrations import heads
+
+        try:
+            head = heads.find_head(model)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            raise ScoreError(f"{type(model).__name__}: {e}") from None
+        self.head = head
+        self.backbone, self.weight, self.bias, self.transform = head.backbone, head.weight, head.bias, head.transform
+        self.vocab = self.weight.shape[0]
         self.check_head()
 
     def encode(self, texts: list[str]) -> list[list[int]]:
@@ -408,18 +391,14 @@ class _Model:
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head(self, h, targets, want_entropy):
-        from .log_probs import linear_log_probs
-
-        return linear_log_probs(h.to(self.weight.dtype), self.weight, targets, linear_bias=self.bias,
-                                softcap=self.softcap, temperature=self.temperature, return_entropy=want_entropy,
-                                backend=self.backend)
+        return head_log_probs(self.head, h, targets, want_entropy, self.backend)
 
     def check_head(self) -> None:
         """Compare our head with the model's own logits on a short probe; raise if the architecture differs.
 
-        The backbone + linear (+ bias, softcap, logit scale) split is an assumption about the model class; a model
-        that transforms its hidden states or logits in another way would be scored wrongly and silently without
-        this check. The probe is 16 token ids drawn with a fixed seed, so its logits are tiny.
+        The backbone + linear (+ bias, the logit transform heads found) split is an assumption about the model
+        class; a model that transforms its hidden states or logits in another way would be scored wrongly and
+        silently without this check. The probe is 16 token ids drawn with a fixed seed, so its logits are tiny.
         """
         specials = set(self.tokenizer.all_special_ids)
         gen = torch.Generator().manual_seed(0)
@@ -434,9 +413,9 @@ class _Model:
         if not err <= _PROBE_TOL[self.dtype]:
             raise ScoreError(
                 f"{type(self.model).__name__}: log-probs from the backbone's hidden states and the output "
-                f"embedding (softcap={self.softcap}, logit scale={1.0 / self.temperature:g}) differ from the "
-                f"model's own by {err:.2e} (relative) on a probe; this architecture transforms its head in a way "
-                "logitless score does not know, so it cannot be scored correctly"
+                f"embedding ({_describe(self.transform)}) differ from the model's own by {err:.2e} (relative) on a "
+                "probe; this architecture transforms its head in a way logitless score does not know, so it cannot "
+                "be scored correctly"
             )
 
 
@@ -446,15 +425,26 @@ def _first_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _backbone(model):
-    """The module whose last hidden state feeds the output embedding (get_decoder(), else base_model)."""
-    get = getattr(model, "get_decoder", None)
-    backbone = get() if callable(get) else None
-    if backbone is None or backbone is model:
-        backbone = getattr(model, "base_model", None)
-    if backbone is None or backbone is model:
-        raise ScoreError(f"{type(model).__name__}: cannot find the backbone (get_decoder() / base_model)")
-    return backbone
+def head_inputs(head, h: torch.Tensor):
+    """(hidden states, bias, softcap, temperature) that give linear_log_probs with head.weight the model's logits
+    at the final hidden states `h` (heads.Head: the weight, the bias and the logit transform of the model)."""
+    return head.transform.for_log_probs(h.to(head.weight.dtype), head.bias)
+
+
+def head_log_probs(head, h: torch.Tensor, targets: torch.Tensor, want_entropy: bool = False, backend: str = "auto"):
+    """log p(target) of the model's head at the final hidden states `h` [N, D] (and the entropy of each prediction
+    when `want_entropy`), computed by linear_log_probs: no [N, V] logits."""
+    from .log_probs import linear_log_probs
+
+    x, bias, softcap, temperature = head_inputs(head, h)
+    return linear_log_probs(x, head.weight, targets, linear_bias=bias, softcap=softcap, temperature=temperature,
+                            return_entropy=want_entropy, backend=backend)
+
+
+def _describe(transform) -> str:
+    """A logit transform in the words of the error messages."""
+    return (f"softcap={transform.softcap}, logit scale={transform.logit_scale:g}, hidden-state scale="
+            f"{transform.hidden_scale:g}")
 
 
 def _resolve_device(arg: str) -> torch.device:

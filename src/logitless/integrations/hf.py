@@ -10,12 +10,11 @@ The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
   - ``num_items_in_batch`` (int or tensor) switches to ``sum / num_items_in_batch``, else the mean over non-ignored
     tokens; a tensor stays on the device (no host synchronisation);
   - ``logits_to_keep`` (``num_logits_to_keep`` before transformers 4.50) slices the hidden states as the model does;
-  - logit transforms declared in the config and applied by the model's forward are applied too: the final softcap
-    (Gemma 2/3: ``final_logit_softcapping``) and a constant logit scale (Cohere, Granite, FalconH1, MiniCPM3);
+  - the logit transform the model's forward applies (a final softcap, a logit scale that multiplies or divides, a
+    scale of the hidden states before the head) is applied too, as ``heads`` finds it per model type;
   - tied embeddings work unchanged (the head's weight is the embedding's parameter).
-The backbone and the head are found generically (``model.base_model`` or ``model.get_decoder()``, and
-``model.get_output_embeddings()``), and models whose forward does something this cannot reproduce are refused at
-``patch`` time with an error that says why.
+The backbone, the head and the logit transform come from ``heads`` (shared with ``logitless score``), and models
+whose forward does something this cannot reproduce are refused at ``patch`` time with an error that says why.
 """
 
 from __future__ import annotations
@@ -33,12 +32,7 @@ from torch import nn
 from .. import _validate
 from .._dispatch import BACKENDS
 from ..linear_cross_entropy import check_workspace, linear_cross_entropy
-
-# Config attributes the forwards of transformers' causal LMs apply to the logits; each is used only when the
-# model's forward source mentions it (or when that source cannot be read).
-_SOFTCAP_ATTRS = ("final_logit_softcapping", "logits_soft_cap")
-# (attribute, divides): logits * value, or logits / value when `divides`.
-_SCALE_ATTRS = (("logit_scale", False), ("lm_head_multiplier", False), ("logits_scaling", True))
+from . import heads
 
 
 def _refusals(config, src: str | None):
@@ -69,56 +63,26 @@ class _Plan:
     varkw: str | None
     keep_name: str | None  # "logits_to_keep" or "num_logits_to_keep"
     backbone_return_dict: bool
-    softcap_attr: str | None
-    scale_attrs: tuple[tuple[str, bool], ...]
+    # The logit transforms the forward applies; their values are read from the config at each call.
+    transform_rules: tuple[heads.Rule, ...]
     checks_router_logits: bool
     output_cls: type
     options: dict
 
 
-def _forward_source(model: nn.Module) -> str | None:
-    try:
-        return inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return None
-
-
 def _find_backbone(model: nn.Module) -> nn.Module:
-    base = getattr(model, "base_model", model)
-    if base is model or not isinstance(base, nn.Module):
-        get_decoder = getattr(model, "get_decoder", None)
-        base = get_decoder() if callable(get_decoder) else None
-    if not isinstance(base, nn.Module) or base is model:
-        raise ValueError(
-            f"logitless.patch: cannot find the backbone of {type(model).__name__} (neither model.base_model nor "
-            "model.get_decoder() gives a submodule that returns the final hidden states)"
-        )
-    return base
+    try:
+        return heads.find_backbone(model)
+    except ValueError as e:
+        raise ValueError(f"logitless.patch: {e}") from None
 
 
 def _find_head(model: nn.Module) -> nn.Linear:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    name = type(model).__name__
-    if head is None:
-        raise ValueError(f"logitless.patch: {name}.get_output_embeddings() gives no language-model head to fuse")
-    if (not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward
-            or "forward" in vars(head)):
-        raise TypeError(
-            f"logitless.patch: the output embedding of {name} is a {type(head).__name__} whose forward is not "
-            "torch.nn.Linear's; a quantised, adapter-wrapped (LoRA on lm_head) or hook-wrapped head computes "
-            "something other than hidden @ weight.T + bias, which is all logitless can fuse"
-        )
-    if head._forward_hooks or head._forward_pre_hooks:
-        raise TypeError(
-            f"logitless.patch: the output embedding of {name} has forward hooks; logitless reads its weight without "
-            "calling it, so those hooks would not run"
-        )
-    if type(head.weight).__name__ == "DTensor":
-        raise TypeError(
-            f"logitless.patch: the output embedding of {name} holds a DTensor (tensor-parallel or unsharded-FSDP2 "
-            "head); use logitless.linear_cross_entropy with process_group= for a vocabulary-parallel head"
-        )
+    try:
+        head = heads.find_output_embedding(model)
+        heads.check_plain_linear(model, head)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"logitless.patch: {e}") from None
     return head
 
 
@@ -147,9 +111,8 @@ def _make_plan(model: nn.Module, options: dict) -> _Plan:
         )
     backbone = _find_backbone(model)
     head = _find_head(model)
-    src = _forward_source(model)
-    head_name = next((n for n, m in model.named_children() if m is head), None)
-    if head_name is None or (src is not None and f"self.{head_name}(" not in src):
+    src = heads.forward_source(model)
+    if not heads.head_applied_directly(model, head, src):
         raise ValueError(
             f"logitless.patch: {cls}'s forward does not apply its output embedding directly to the backbone's "
             "hidden states, so the fused loss would not be the model's loss"
@@ -170,13 +133,10 @@ def _make_plan(model: nn.Module, options: dict) -> _Plan:
     for reason, applies in _refusals(config, src):
         if applies:
             raise NotImplementedError(f"logitless.patch cannot reproduce {cls}'s loss: {reason}")
-
-    def applied(attr):
-        return getattr(config, attr, None) is not None and (src is None or attr in src)
-
-    softcaps = [a for a in _SOFTCAP_ATTRS if applied(a)]
-    if len(softcaps) > 1:
-        raise NotImplementedError(f"logitless.patch: {cls} declares several logit softcaps: {softcaps}")
+    try:
+        transform_rules = heads.applied_rules(model, src)
+    except heads.UnknownTransformError as e:
+        raise NotImplementedError(f"logitless.patch cannot reproduce {cls}'s loss: {e}") from None
 
     signature = inspect.signature(model.forward)
     params = signature.parameters
@@ -194,8 +154,7 @@ def _make_plan(model: nn.Module, options: dict) -> _Plan:
         varkw=varkw,
         keep_name=keep_name,
         backbone_return_dict=backbone_return_dict,
-        softcap_attr=softcaps[0] if softcaps else None,
-        scale_attrs=tuple((a, d) for a, d in _SCALE_ATTRS if applied(a)),
+        transform_rules=transform_rules,
         checks_router_logits=src is None or "output_router_logits" in src,
         output_cls=_output_class(model.forward),
         options=options,
@@ -250,14 +209,8 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         )
 
     head = _find_head(model)
-    weight, bias = head.weight, head.bias
-    for attr, divides in plan.scale_attrs:
-        value = float(getattr(config, attr))
-        scale = 1.0 / value if divides else value
-        # A constant logit scale is a scale of the hidden states (and the bias): no V-sized temporary.
-        x = x * scale
-        bias = bias * scale if bias is not None else None
-    softcap = getattr(config, plan.softcap_attr) if plan.softcap_attr else None
+    weight = head.weight
+    x, bias, softcap = heads.transform_of(config, plan.transform_rules).for_loss(x, head.bias)
 
     lce = functools.partial(
         linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
