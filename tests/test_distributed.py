@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import logitless
 import logitless.distributed
-from logitless import reference
+from logitless import testing
 from tests.helpers import assert_within_rule, check_against_truth, grads, leaves, make_case
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -146,7 +146,7 @@ def _run_case(world, rank, op, dtype, opts, data):
             _same_on_all_ranks("loss", out)
             return out
 
-        check_against_truth(ours, reference.naive_linear_cross_entropy, x, w, b, t, weight=cw, backend=backend,
+        check_against_truth(ours, testing.naive_linear_cross_entropy, x, w, b, t, weight=cw, backend=backend,
                             **opts)
         return
     if op == "ce64":
@@ -154,7 +154,7 @@ def _run_case(world, rank, op, dtype, opts, data):
         out = logitless.linear_cross_entropy(xo, _shard(wo, rows), t, linear_bias=_shard(bo, rows),
                                              weight=cw[rows[0]:rows[1]], process_group=group, **opts)
         xt, wt, bt = leaves(x, w, b)
-        truth = reference.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, **opts)
+        truth = testing.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, **opts)
         assert out.dtype == F64
         torch.testing.assert_close(out, truth, rtol=1e-12, atol=0)
         for go, gt in zip(grads(out, [xo, wo, bo]), grads(truth, [xt, wt, bt]), strict=True):
@@ -163,7 +163,7 @@ def _run_case(world, rank, op, dtype, opts, data):
     if op == "lse":
         def run(xx, ww, bb, naive=False, upcast=True):
             if naive:
-                return reference.naive_linear_logsumexp(xx, ww, linear_bias=bb, upcast=upcast, **opts)
+                return testing.naive_linear_logsumexp(xx, ww, linear_bias=bb, upcast=upcast, **opts)
             out = logitless.linear_logsumexp(xx, _shard(ww, rows), linear_bias=_shard(bb, rows),
                                              process_group=group, backend=backend, **opts)
             _same_on_all_ranks("logsumexp", out)
@@ -180,7 +180,7 @@ def _run_case(world, rank, op, dtype, opts, data):
 
         def run(xx, ww, bb, naive=False, upcast=True):
             if naive:
-                out = reference.naive_linear_log_probs(xx, ww, t, linear_bias=bb, upcast=upcast, return_entropy=True,
+                out = testing.naive_linear_log_probs(xx, ww, t, linear_bias=bb, upcast=upcast, return_entropy=True,
                                                        **opts)
                 return out if want_ent else out[:1]
             out = logitless.linear_log_probs(xx, _shard(ww, rows), t, linear_bias=_shard(bb, rows),
@@ -261,10 +261,10 @@ def _dtensor_tp(world, rank):
     loss = logitless.linear_cross_entropy(xd, wd, td, linear_bias=bd, weight=cwd, process_group=mesh, **opts)
     loss.backward()
     x64, w64, b64 = leaves(x.double(), w.double(), b.double())
-    truth = reference.naive_linear_cross_entropy(x64, w64, t, linear_bias=b64, weight=cw.double(), **opts)
+    truth = testing.naive_linear_cross_entropy(x64, w64, t, linear_bias=b64, weight=cw.double(), **opts)
     truth.backward()
     xt, wt, bt = leaves(x, w, b)
-    theirs = reference.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, upcast=False, **opts)
+    theirs = testing.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, upcast=False, **opts)
     theirs.backward()
     assert wd.to_local().shape[0] == (334, 334, 333)[rank]
     assert_within_rule("loss", loss, theirs, truth)
@@ -299,7 +299,7 @@ def _parallel_models(world, rank, kind):
     proj64 = nn.Linear(D_PAR, D_PAR).double()
     proj64.load_state_dict({k: v.double() for k, v in proj0.state_dict().items()})
     w64 = w0.double().requires_grad_()
-    sum(reference.naive_linear_cross_entropy(proj64(batch(i)[0].double()), w64, batch(i)[1], **opts)
+    sum(testing.naive_linear_cross_entropy(proj64(batch(i)[0].double()), w64, batch(i)[1], **opts)
         for i in range(2)).div(2).backward()
 
     class Head(nn.Module):
@@ -352,7 +352,7 @@ def _parallel_models(world, rank, kind):
     proj32 = nn.Linear(D_PAR, D_PAR)
     proj32.load_state_dict(proj0.state_dict())
     w32 = w0.clone().requires_grad_()
-    sum(reference.naive_linear_cross_entropy(proj32(batch(i)[0]), w32, batch(i)[1], upcast=False, **opts)
+    sum(testing.naive_linear_cross_entropy(proj32(batch(i)[0]), w32, batch(i)[1], upcast=False, **opts)
         for i in range(2)).div(2).backward()
     assert_within_rule("d_head", gw, w32.grad[rows[0]:rows[1]] if kind == "ddp" else w32.grad, w_ref)
     assert_within_rule("d_proj", gp, proj32.weight.grad, proj64.weight.grad)

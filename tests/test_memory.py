@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
     peak = rss_kib("VmHWM")
     extra = peak * 1024 - base * 1024 - grad_bytes
     print(json.dumps({"extra_bytes": extra, "logits_bytes": N * V * 4, "loss": float(loss),
-                      "budget": logitless.reference.default_workspace_bytes(N, V)}))
+                      "budget": logitless.loss_math.default_workspace_bytes(N, V)}))
 """)
 
 
