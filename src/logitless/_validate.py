@@ -229,9 +229,9 @@ def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tenso
     return logits.reshape(-1, V), t, lead_shape
 
 
-def check_skip_options(skip_threshold, vocab_order, num_classes: int, device) -> None:
+def check_skip_options(skip_threshold, vocab_order, num_classes: int | None, device) -> None:
     """ValueError/TypeError for a bad skip_threshold (None or a float in [0, 1)) or vocab_order ("batch", "none",
-    or a (V,) tensor of per-class counts on the input's device)."""
+    or a (V,) tensor of per-class counts on the input's device; num_classes None: any tensor, checked later)."""
     if skip_threshold is not None:
         if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)):
             raise TypeError(f"skip_threshold must be None or a Python float, got {type(skip_threshold).__name__}")
@@ -239,6 +239,8 @@ def check_skip_options(skip_threshold, vocab_order, num_classes: int, device) ->
             raise ValueError(f"skip_threshold must be in [0, 1) (a fraction of each row's probability mass), "
                              f"got {skip_threshold}")
     if isinstance(vocab_order, torch.Tensor):
+        if num_classes is None:
+            return
         if vocab_order.shape != (num_classes,):
             raise ValueError(f"vocab_order as a tensor must hold one count per class, shape ({num_classes},), "
                              f"got {tuple(vocab_order.shape)}")

@@ -386,9 +386,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, vocab_order, None, None)
     group, x, w, b, cw, lead, layout, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size, weight)
-    _validate.check_skip_options(skip_threshold, vocab_order, w.shape[0], x.device)
+    _validate.check_skip_options(skip_threshold, vocab_order, w.shape[0], x.device)  # a tensor: the shard's counts
     chosen = head.choose_backend(backend, x, "linear_cross_entropy")
     cw = None if cw is None else cw.to(torch_backend.acc_dtype(x.dtype))
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
@@ -419,9 +420,9 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
     _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, "none", None, None)
     group, x, w, b, _, lead, _, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size)
-    _validate.check_skip_options(skip_threshold, "none", w.shape[0], x.device)
     chosen = head.choose_backend(backend, x, "linear_log_probs")
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
     skip = head.Skip(skip_threshold, "none", bounded=not return_entropy)
