@@ -108,7 +108,7 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 def _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
                   need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash):
     """linear_head_grad with the forward's stash (need_dw set): dW is written into it (the logits it holds are
-    used up); returns (dx, db), empty where not asked for. Eager backward only (head_stats, _stats_backward)."""
+    used up); returns (dx, db), empty where not asked for. Eager backward only (stats, _stats_backward)."""
     dx, _, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
                           need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash)
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, db))
