@@ -1,4 +1,4 @@
-"""The PyTorch path (logitless.reference, the CPU default) against eager PyTorch on this CPU, interleaved.
+"""The PyTorch path (logitless.torch_backend, the CPU default) against eager PyTorch on this CPU, interleaved.
 
     PYTHONPATH=src python scripts/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2]
         [--old OLD_REFERENCE.py]      # e.g. git show REV:src/logitless/reference.py > old_reference.py

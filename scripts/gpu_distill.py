@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import logitless
-from logitless import distill
+from logitless import testing
 from logitless.bench import cases, data
 from logitless.bench.check import rule_line
 from logitless.kernels import two_heads
@@ -53,7 +53,7 @@ def _check(name, fn, x, w, xt, wt, t, rows):
         xs = x[sl].detach().to(cast).requires_grad_()
         ws = w.detach().to(cast).requires_grad_()
         args = (xs, ws, xt[sl].to(cast), wt.to(cast), t[sl])
-        out = f(*args) if upcast is None else distill.naive_two_heads(*args[:4], kind=kind, beta=beta,
+        out = f(*args) if upcast is None else testing.naive_two_heads(*args[:4], kind=kind, beta=beta,
                                                                        target=t[sl], upcast=upcast,
                                                                        reduction="mean")
         out.backward()

@@ -51,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 
 import logitless  # noqa: E402
 import logitless.distributed  # noqa: E402
-from logitless import reference  # noqa: E402
+from logitless import testing  # noqa: E402
 from logitless.bench import data  # noqa: E402
 from logitless.bench.check import rel_err as rel  # noqa: E402
 from logitless.bench.check import rule_line as rule  # noqa: E402
@@ -138,7 +138,7 @@ def check_options(backend):
             if not same_on_all_ranks(loss):
                 failures.append("ce loss differs between ranks")
         else:
-            loss = reference.naive_linear_cross_entropy(xl, wl, t, linear_bias=bl, weight=cw.to(dt or torch.float32),
+            loss = testing.naive_linear_cross_entropy(xl, wl, t, linear_bias=bl, weight=cw.to(dt or torch.float32),
                                                         upcast=name == "f64", **ce_opts)
         gx, gw, gb = grads_of(loss, (xl, wl, bl))
         res[name] = (loss.detach(), gx, gw[s0:s1], gb[s0:s1])
@@ -161,7 +161,7 @@ def check_options(backend):
             if not (same_on_all_ranks(lp) and same_on_all_ranks(en)):
                 failures.append("log-probs differ between ranks")
         else:
-            lp, en = reference.naive_linear_log_probs(xl, wl, t, return_entropy=True, upcast=name == "f64",
+            lp, en = testing.naive_linear_log_probs(xl, wl, t, return_entropy=True, upcast=name == "f64",
                                                       **lp_opts)
         obj = (lp * up1.to(lp.dtype)).sum() + (en * up2.to(en.dtype)).sum()
         gx, gw = grads_of(obj, (xl, wl))
@@ -178,7 +178,7 @@ def check_options(backend):
             lse = logitless.linear_logsumexp(xl, wl[s0:s1], linear_bias=bl[s0:s1], temperature=0.7,
                                              backend=backend, process_group=pg)
         else:
-            lse = reference.naive_linear_logsumexp(xl, wl, linear_bias=bl, temperature=0.7, upcast=name == "f64")
+            lse = testing.naive_linear_logsumexp(xl, wl, linear_bias=bl, temperature=0.7, upcast=name == "f64")
         gx, gw, gb = grads_of(lse, (xl, wl, bl), up1.to(lse.dtype))
         res[name] = (lse.detach(), gx, gw[s0:s1], gb[s0:s1])
         del xl, wl, bl, lse, gx, gw, gb
@@ -207,7 +207,7 @@ def check_full(head, check_rows):
         if name == "ours":
             loss = logitless.linear_cross_entropy(xl, wl[s0:s1], ts, process_group=pg)
         else:
-            loss = reference.naive_linear_cross_entropy(xl, wl, ts, upcast=name == "f64")
+            loss = testing.naive_linear_cross_entropy(xl, wl, ts, upcast=name == "f64")
         gx, gw = grads_of(loss, (xl, wl))
         res[name] = (loss.detach(), gx, gw[s0:s1].clone())
         del xl, wl, loss, gx, gw

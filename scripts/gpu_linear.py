@@ -45,7 +45,7 @@ import torch
 import triton
 
 import logitless
-from logitless import reference
+from logitless import testing
 from logitless.bench import data
 from logitless.bench.cases import GPU_DEFAULT_PRESETS, PRESETS
 from logitless.bench.check import rel_err as rel
@@ -90,7 +90,7 @@ def check_slice(head, rows, tag):
         if name == "ours":
             loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
         else:
-            loss = reference.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
+            loss = testing.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
         res[name] = (loss.detach(),) + tuple(torch.autograd.grad(loss, (xl, wl)))
         del xl, wl, loss
     for i, q in enumerate(("loss", "d_input", "d_weight")):
@@ -105,7 +105,7 @@ def check_slice(head, rows, tag):
         if name == "ours":
             lp, en = logitless.linear_log_probs(xl, wl, t, temperature=0.9, return_entropy=True, backend="triton")
         else:
-            lp, en = reference.naive_linear_log_probs(xl, wl, t, temperature=0.9, return_entropy=True,
+            lp, en = testing.naive_linear_log_probs(xl, wl, t, temperature=0.9, return_entropy=True,
                                                       upcast=name == "f64")
         obj = (lp * up1.to(lp.dtype)).sum() + (en * up2.to(en.dtype)).sum()
         res[name] = (lp.detach(), en.detach()) + tuple(torch.autograd.grad(obj, (xl, wl)))
@@ -529,7 +529,7 @@ def sparsity_check(head, rows, tau):
         if name == "ours":
             loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton", skip_threshold=tau)
         else:
-            loss = reference.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
+            loss = testing.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
         res[name] = (loss.detach(),) + tuple(torch.autograd.grad(loss, (xl, wl)))
         del xl, wl, loss
     out = {}

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     import torch
 
     import logitless
-    from logitless import reference
+    from logitless import loss_math
     from logitless.bench import data
     from logitless.bench.measure import peak_extra_mib
     from logitless.kernels import linear_head as lh
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         # Tiny shapes reach every plan: a lean scratch of 32 classes, a policy of 64 KiB (the accumulator's own
         # buffer and a wider scratch).
         lh.SCRATCH_BYTES = 64 * 32 * 2
-        reference.POLICY_MIN_BYTES = 64 << 10
+        loss_math.POLICY_MIN_BYTES = 64 << 10
 
     def sync():
         if cuda:

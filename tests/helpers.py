@@ -76,14 +76,14 @@ def check_against_truth(fn_ours, fn_naive, x, w, b, t, upstream=None, backend="t
 def check_logsumexp(x, w, b, backend="torch", **kw):
     """linear_logsumexp (ours on `backend`, PyTorch in the same dtype, float64 truth): value and the gradients of a
     random upstream, under the error rule. Returns ours."""
-    from logitless import linear_logsumexp, reference
+    from logitless import linear_logsumexp, testing
 
     xo, wo, bo = leaves(x, w, b)
     ours = linear_logsumexp(xo, wo, linear_bias=bo, backend=backend, **kw)
     xt, wt, bt = leaves(x, w, b)
-    theirs = reference.naive_linear_logsumexp(xt, wt, linear_bias=bt, upcast=False, **kw)
+    theirs = testing.naive_linear_logsumexp(xt, wt, linear_bias=bt, upcast=False, **kw)
     x64, w64, b64 = leaves(*(None if a is None else a.double() for a in (x, w, b)))
-    truth = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
+    truth = testing.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
     assert ours.dtype == torch.float32 and ours.shape == truth.shape
     assert_within_rule("logsumexp", ours, theirs, truth)
     up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(x.device)
@@ -97,14 +97,14 @@ def check_logsumexp(x, w, b, backend="torch", **kw):
 def check_log_probs_entropy(x, w, b, t, backend="torch", **kw):
     """linear_log_probs with the entropy (ours on `backend`, PyTorch in the same dtype, float64 truth): values and
     the gradients of a random mix of both outputs, under the error rule. Returns (log_probs, entropy)."""
-    from logitless import linear_log_probs, reference
+    from logitless import linear_log_probs, testing
 
     def run(xs, ours, upcast=True):
         xo, wo, bo = leaves(*xs)
         if ours:
             out = linear_log_probs(xo, wo, t, linear_bias=bo, return_entropy=True, backend=backend, **kw)
         else:
-            out = reference.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True,
+            out = testing.naive_linear_log_probs(xo, wo, t, linear_bias=bo, upcast=upcast, return_entropy=True,
                                                    **kw)
         return out, [xo, wo, bo]
 
@@ -133,15 +133,15 @@ def check_log_probs_entropy(x, w, b, t, backend="torch", **kw):
 def check_cross_entropy(z, t, backend="torch", inplace=False, upstream_seed=1, **kw):
     """cross_entropy on logits (ours on `backend`, PyTorch in z's dtype, float64 truth): loss and d(logits) under
     a random upstream gradient, within the error rule. Returns our gradient."""
-    from logitless import cross_entropy, reference
+    from logitless import cross_entropy, testing
 
     zo = z.clone().requires_grad_(True)
     ours = cross_entropy(zo, t, backend=backend, inplace_backward=inplace, **kw)
     zt = z.clone().requires_grad_(True)
-    theirs = reference.naive_cross_entropy(zt, t, upcast=False, **kw)
+    theirs = testing.naive_cross_entropy(zt, t, upcast=False, **kw)
     z64 = z.double().requires_grad_(True)
     kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    truth = reference.naive_cross_entropy(z64, t, **kw64)
+    truth = testing.naive_cross_entropy(z64, t, **kw64)
     assert ours.dtype == torch.float32 and ours.shape == truth.shape
     assert_within_rule("loss", ours, theirs, truth)
     up = torch.randn(truth.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import reference
+from logitless import testing
 from logitless.bench import cli as bench_cli
 from logitless.bench import data, real
 from tests.helpers import check_against_truth
@@ -210,5 +210,5 @@ def test_gpu_real_head_within_the_rule(D):
     if not path:
         pytest.skip("LOGITLESS_REAL_DATA names no prepared real-head file (or folder of its parts)")
     head = data.make_head("real", 1024, D, 262144, data_file=path, device="cuda")
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, head.input,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, head.input,
                         head.weight, None, head.target, backend="triton")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import distill
+from logitless import testing
 from logitless.kernels import two_heads
 
 from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
@@ -62,7 +62,7 @@ def _ours(case, xs, ws, bs, xt, wt, bt, backend, **kw):
 
 def _naive(case, xs, ws, bs, xt, wt, bt, upcast, **kw):
     beta = CASES[case][1].get("beta", 0.5)
-    return distill.naive_two_heads(xs, ws, xt, wt, kind=_naive_kind(case), beta=beta, student_bias=bs,
+    return testing.naive_two_heads(xs, ws, xt, wt, kind=_naive_kind(case), beta=beta, student_bias=bs,
                                    teacher_bias=bt, upcast=upcast, **kw)
 
 
@@ -128,10 +128,10 @@ def test_torch_extreme_logits():
 
 def test_torch_many_chunks(monkeypatch):
     # small chunks force several token and vocabulary chunks: the online statistics across chunks
-    from logitless import reference
+    from logitless import torch_backend
 
-    monkeypatch.setattr(reference, "_CHUNK_ELEMS", 256)
-    monkeypatch.setattr(reference, "_VOCAB_CHUNK", 64)
+    monkeypatch.setattr(torch_backend, "CHUNK_ELEMS", 256)
+    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 64)
     *tensors, t = make_pair(torch.float32, n=33, v=200)
     for case in ("rkl", "jsd", "ce"):  # student-weighted, second pass, teacher-weighted with the entropy sum
         check(case, tensors, "torch", target=t, reduction="none", softcap=5.0)

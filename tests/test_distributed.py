@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import logitless
 import logitless.distributed
-from logitless import reference
+import logitless.head
+from logitless import testing
 from tests.helpers import assert_within_rule, check_against_truth, grads, leaves, make_case
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -75,6 +76,15 @@ CASES = {
     "triton_logp_f32_entropy_temp_softcap": ("logp", F32, dict(temperature=0.6, softcap=4.0),
                                              dict(bias=True, backend="triton", worlds=(2,))),
     "triton_lse_f16_temp": ("lse", F16, dict(temperature=0.6), dict(backend="triton", worlds=(2,))),
+    # The options of the head op's backward reach each shard's pass ("ours": given to ours only): skipping with the
+    # batch order, and the leanest workspace plan, on the Triton path; on the PyTorch path they are accepted.
+    "triton_ce_bf16_skip_batch_order_lean": ("ce", BF16, dict(z_loss=1e-3), dict(
+        bias=True, backend="triton", worlds=(2,),
+        ours=dict(skip_threshold=2.0**-12, vocab_order="batch", workspace_bytes=0))),
+    "triton_logp_f32_workspace": ("logp_only", F32, dict(temperature=0.8), dict(
+        backend="triton", worlds=(2,), ours=dict(skip_threshold=2.0**-30, workspace_bytes=64 << 20))),
+    "ce_f32_skip_and_workspace_accepted": ("ce", F32, dict(), dict(ours=dict(skip_threshold=2.0**-12,
+                                                                             workspace_bytes=0))),
 }
 
 
@@ -137,16 +147,17 @@ def _run_case(world, rank, op, dtype, opts, data):
     group = dist.group.WORLD
     backend = data.get("backend", "auto")
     layout = dict(vocab_start=rows[0], vocab_size=V) if data.get("layout") == "given" else {}
+    ours_opts = data.get("ours", {})
     if op == "ce":
         def ours(xo, wo, tt, linear_bias=None, backend="auto", weight=None, **kw):
             fn = logitless.distributed.linear_cross_entropy if layout else logitless.linear_cross_entropy
             out = fn(xo, _shard(wo, rows), tt, linear_bias=_shard(linear_bias, rows),
                      weight=None if weight is None else weight[rows[0]:rows[1]], backend=backend,
-                     process_group=group, **layout, **kw)
+                     process_group=group, **layout, **kw, **ours_opts)
             _same_on_all_ranks("loss", out)
             return out
 
-        check_against_truth(ours, reference.naive_linear_cross_entropy, x, w, b, t, weight=cw, backend=backend,
+        check_against_truth(ours, testing.naive_linear_cross_entropy, x, w, b, t, weight=cw, backend=backend,
                             **opts)
         return
     if op == "ce64":
@@ -154,7 +165,7 @@ def _run_case(world, rank, op, dtype, opts, data):
         out = logitless.linear_cross_entropy(xo, _shard(wo, rows), t, linear_bias=_shard(bo, rows),
                                              weight=cw[rows[0]:rows[1]], process_group=group, **opts)
         xt, wt, bt = leaves(x, w, b)
-        truth = reference.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, **opts)
+        truth = testing.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, **opts)
         assert out.dtype == F64
         torch.testing.assert_close(out, truth, rtol=1e-12, atol=0)
         for go, gt in zip(grads(out, [xo, wo, bo]), grads(truth, [xt, wt, bt]), strict=True):
@@ -163,7 +174,7 @@ def _run_case(world, rank, op, dtype, opts, data):
     if op == "lse":
         def run(xx, ww, bb, naive=False, upcast=True):
             if naive:
-                return reference.naive_linear_logsumexp(xx, ww, linear_bias=bb, upcast=upcast, **opts)
+                return testing.naive_linear_logsumexp(xx, ww, linear_bias=bb, upcast=upcast, **opts)
             out = logitless.linear_logsumexp(xx, _shard(ww, rows), linear_bias=_shard(bb, rows),
                                              process_group=group, backend=backend, **opts)
             _same_on_all_ranks("logsumexp", out)
@@ -180,12 +191,12 @@ def _run_case(world, rank, op, dtype, opts, data):
 
         def run(xx, ww, bb, naive=False, upcast=True):
             if naive:
-                out = reference.naive_linear_log_probs(xx, ww, t, linear_bias=bb, upcast=upcast, return_entropy=True,
+                out = testing.naive_linear_log_probs(xx, ww, t, linear_bias=bb, upcast=upcast, return_entropy=True,
                                                        **opts)
                 return out if want_ent else out[:1]
             out = logitless.linear_log_probs(xx, _shard(ww, rows), t, linear_bias=_shard(bb, rows),
                                              return_entropy=want_ent, process_group=group, backend=backend,
-                                             **opts)
+                                             **opts, **ours_opts)
             out = out if want_ent else (out,)
             for o in out:
                 _same_on_all_ranks("log_probs/entropy", o)
@@ -261,10 +272,10 @@ def _dtensor_tp(world, rank):
     loss = logitless.linear_cross_entropy(xd, wd, td, linear_bias=bd, weight=cwd, process_group=mesh, **opts)
     loss.backward()
     x64, w64, b64 = leaves(x.double(), w.double(), b.double())
-    truth = reference.naive_linear_cross_entropy(x64, w64, t, linear_bias=b64, weight=cw.double(), **opts)
+    truth = testing.naive_linear_cross_entropy(x64, w64, t, linear_bias=b64, weight=cw.double(), **opts)
     truth.backward()
     xt, wt, bt = leaves(x, w, b)
-    theirs = reference.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, upcast=False, **opts)
+    theirs = testing.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, weight=cw, upcast=False, **opts)
     theirs.backward()
     assert wd.to_local().shape[0] == (334, 334, 333)[rank]
     assert_within_rule("loss", loss, theirs, truth)
@@ -299,7 +310,7 @@ def _parallel_models(world, rank, kind):
     proj64 = nn.Linear(D_PAR, D_PAR).double()
     proj64.load_state_dict({k: v.double() for k, v in proj0.state_dict().items()})
     w64 = w0.double().requires_grad_()
-    sum(reference.naive_linear_cross_entropy(proj64(batch(i)[0].double()), w64, batch(i)[1], **opts)
+    sum(testing.naive_linear_cross_entropy(proj64(batch(i)[0].double()), w64, batch(i)[1], **opts)
         for i in range(2)).div(2).backward()
 
     class Head(nn.Module):
@@ -352,7 +363,7 @@ def _parallel_models(world, rank, kind):
     proj32 = nn.Linear(D_PAR, D_PAR)
     proj32.load_state_dict(proj0.state_dict())
     w32 = w0.clone().requires_grad_()
-    sum(reference.naive_linear_cross_entropy(proj32(batch(i)[0]), w32, batch(i)[1], upcast=False, **opts)
+    sum(testing.naive_linear_cross_entropy(proj32(batch(i)[0]), w32, batch(i)[1], upcast=False, **opts)
         for i in range(2)).div(2).backward()
     assert_within_rule("d_head", gw, w32.grad[rows[0]:rows[1]] if kind == "ddp" else w32.grad, w_ref)
     assert_within_rule("d_proj", gp, proj32.weight.grad, proj64.weight.grad)
@@ -464,26 +475,37 @@ def test_local_pass_treats_targets_of_other_shards_as_absent(backend):
     # The local pass sees targets shifted by the shard's first row: below 0 or at / past V_r they belong to another
     # shard and must give neither a target logit nor a one-hot gradient term (a kernel that clamps its column
     # index would pick up the first or last column instead). Both edges, and far outside, on one process.
-    impl = logitless.distributed._TORCH_LOCAL if backend == "torch" else logitless.distributed._TRITON_LOCAL
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "triton" and dev == "cpu" and not INTERPRETER:
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    x, w, b, _ = (a.to(dev) for a in make_case(F32, n=37, d=45, v=300, bias=True))
+    x, w, b = leaves(*(a.to(dev) for a in make_case(F32, n=37, d=45, v=300, bias=True)[:3]))
     edges = [-1, 0, 299, 300, 301, -300, 599, 600, 10**6, -(10**6)]
     t = torch.tensor(edges * 3 + [5, 150, 298, 1, 2, 3, 4], device=dev)
-    m, logs, zt, _, _ = impl.forward(x, w, b, t, None, None, 1.0, False, False)
-    z = x.double() @ w.double().T + b.double()
+    st = logitless.head.stats(x, w, b, t, None, None, 1.0, False, False, backend=backend)
+    z = x.detach().double() @ w.detach().double().T + b.detach().double()
     inside = (t >= 0) & (t < 300)
     zt_ref = torch.where(inside, z.gather(1, t.clamp(0, 299)[:, None])[:, 0], torch.zeros_like(z[:, 0]))
-    torch.testing.assert_close(zt.double(), zt_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close((m + logs).double(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
-    # Only the one-hot term: dL/dz = -[j == t] (A = 0, C = 1).
-    ones = torch.ones(37, device=dev)
-    dx, dw, db = impl.backward(x, w, b, t, None, m, logs, (ones * 0, None, ones, None), None, 1.0, (True, True, True))
+    torch.testing.assert_close(st.zt.double(), zt_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((st.m + st.logs).double(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
+    # Only the one-hot term: the loss -sum zt has dL/dz = -[j == t] (A = 0, C = 1 in the generic backward).
+    dx, dw, db = torch.autograd.grad(-st.zt.sum(), (x, w, b))
     dz = -torch.nn.functional.one_hot(t.clamp(0, 299), 300).double() * inside[:, None]
-    torch.testing.assert_close(dx.double(), dz @ w.double(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dw.double(), dz.T @ x.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dz @ w.detach().double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dz.T @ x.detach().double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(db.double(), dz.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_options_are_checked_before_the_group():
+    # The same clear errors with process_group as without: the option checks come first.
+    x, w, _, t = make_case(F32)
+    with pytest.raises(TypeError, match="workspace_bytes"):
+        logitless.linear_cross_entropy(x, w, t, process_group=object(), workspace_bytes=1.5)
+    with pytest.raises(TypeError, match="workspace_bytes"):
+        logitless.linear_log_probs(x, w, t, process_group=object(), workspace_bytes=1.5)
+    with pytest.raises(ValueError, match="skip_threshold"):
+        logitless.linear_cross_entropy(x, w, t, process_group=object(), skip_threshold=2.0)
+    with pytest.raises(ValueError, match="vocab_order"):
+        logitless.linear_cross_entropy(x, w, t, process_group=object(), vocab_order="sorted")
 
 
 def test_needs_initialised_process_group():

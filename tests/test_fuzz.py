@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from logitless import cross_entropy, linear_cross_entropy, linear_log_probs, linear_logsumexp, reference
+from logitless import cross_entropy, linear_cross_entropy, linear_log_probs, linear_logsumexp, testing
 from tests.helpers import assert_within_rule
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -148,7 +148,7 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None):
                 z = z.clone()  # the gradient overwrites this copy; the leaf keeps the logits
             out = cross_entropy(z, target, inplace_backward=case["inplace"], backend=be, **kw)
         else:
-            out = reference.naive_cross_entropy(z, target, upcast=False, **kw)
+            out = testing.naive_cross_entropy(z, target, upcast=False, **kw)
     else:
         lx, vx = _layout(cast(inp["x"]), case["layout"], inp["gen"].manual_seed(7))
         lw, vw = _layout(cast(inp["w"]), case["w_layout"], inp["gen"].manual_seed(8))
@@ -171,18 +171,18 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None):
             kw = dict(weight=cw, reduction=case["reduction"], ignore_index=case["ignore_index"],
                       label_smoothing=case["label_smoothing"], z_loss=case["z_loss"], **args)
             out = (linear_cross_entropy(x, w, target, backend=be, **kw) if ours
-                   else reference.naive_linear_cross_entropy(x, w, target, upcast=False, **kw))
+                   else testing.naive_linear_cross_entropy(x, w, target, upcast=False, **kw))
         elif op == "linear_log_probs":
             kw = dict(temperature=case["temperature"], ignore_index=case["ignore_index"],
                       return_entropy=case["return_entropy"], **args)
             out = (linear_log_probs(x, w, target, backend=be, **kw) if ours
-                   else reference.naive_linear_log_probs(x, w, target, upcast=False, **kw))
+                   else testing.naive_linear_log_probs(x, w, target, upcast=False, **kw))
             if case["return_entropy"]:
                 out = torch.stack(out)
         else:
             kw = dict(temperature=case["temperature"], **args)
             out = (linear_logsumexp(x, w, backend=be, **kw) if ours
-                   else reference.naive_linear_logsumexp(x, w, upcast=False, **kw))
+                   else testing.naive_linear_logsumexp(x, w, upcast=False, **kw))
     up = torch.randn(out.shape, generator=g, dtype=torch.float64) if case["upstream"] == "random" \
         else torch.ones(out.shape, dtype=torch.float64)
     scalar = (out * up.to(DEV, out.dtype)).sum()

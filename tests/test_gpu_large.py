@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import reference
+from logitless import testing
 from tests.helpers import check_cross_entropy, check_log_probs_entropy, check_logsumexp, make_case
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ class _Err:
 def _ce_truth(z64, t, up, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """Per-row loss and g_i * d loss_i / d z_i of a block of float64 logits (reduction="none", upstream up)."""
     z64 = z64.detach().requires_grad_(True)
-    loss = reference.naive_cross_entropy(z64, t, reduction="none", ignore_index=ignore_index,
+    loss = testing.naive_cross_entropy(z64, t, reduction="none", ignore_index=ignore_index,
                                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     (g,) = torch.autograd.grad(loss, z64, up)
     return loss.detach(), g
@@ -123,7 +123,7 @@ def test_linear_ops_past_2_31_elements(N, D, V, op):
         out = logitless.linear_cross_entropy(xo, wo, t, linear_bias=bo, reduction="none", backend="triton", **kw)
 
         def fn(x64, w64, b64, tb, i):
-            o = reference.naive_linear_cross_entropy(x64, w64, tb, linear_bias=b64, reduction="none", **kw)
+            o = testing.naive_linear_cross_entropy(x64, w64, tb, linear_bias=b64, reduction="none", **kw)
             return o, (o * up[i:i + o.shape[0]].to(o.dtype)).sum()
     elif op == "linear_log_probs":
         kw = dict(softcap=30.0, temperature=0.7)
@@ -131,7 +131,7 @@ def test_linear_ops_past_2_31_elements(N, D, V, op):
         out = lp + 0.5 * ent
 
         def fn(x64, w64, b64, tb, i):
-            lp, ent = reference.naive_linear_log_probs(x64, w64, tb, linear_bias=b64, return_entropy=True, **kw)
+            lp, ent = testing.naive_linear_log_probs(x64, w64, tb, linear_bias=b64, return_entropy=True, **kw)
             o = lp + 0.5 * ent
             return o, (o * up[i:i + o.shape[0]].to(o.dtype)).sum()
     else:
@@ -139,7 +139,7 @@ def test_linear_ops_past_2_31_elements(N, D, V, op):
         out = logitless.linear_logsumexp(xo, wo, linear_bias=bo, backend="triton", **kw)
 
         def fn(x64, w64, b64, tb, i):
-            o = reference.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
+            o = testing.naive_linear_logsumexp(x64, w64, linear_bias=b64, **kw)
             return o, (o * up[i:i + o.shape[0]].to(o.dtype)).sum()
     dx, dw, db = torch.autograd.grad(out, (xo, wo, bo), up.float())
     del xo, wo, bo
@@ -173,7 +173,7 @@ def test_gpu_one_element_and_empty(n, v, dtype):
     from tests.helpers import check_against_truth
 
     for reduction in ("mean", "sum", "none"):
-        check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+        check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                             backend="triton", reduction=reduction, z_loss=1e-3, label_smoothing=0.1)
     check_log_probs_entropy(x, w, b, t, backend="triton", temperature=0.7)
     check_logsumexp(x, w, b, backend="triton", softcap=5.0)

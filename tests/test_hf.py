@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import logitless  # noqa: E402
-from logitless import reference  # noqa: E402
+from logitless import testing  # noqa: E402
 from logitless.integrations import heads, hf  # noqa: E402
 from tests.helpers import assert_within_rule  # noqa: E402
 
@@ -312,7 +312,7 @@ def test_options_reach_the_loss(smoothing, z_loss):
 
     def stock_loss(dtype):
         logits = model_copy("llama", dtype)(**nolabels).logits
-        return reference.naive_cross_entropy(logits, target, label_smoothing=smoothing, z_loss=z_loss)
+        return testing.naive_cross_entropy(logits, target, label_smoothing=smoothing, z_loss=z_loss)
 
     ours = model_copy("llama", patched=True, label_smoothing=smoothing, z_loss=z_loss)(**kw).loss
     assert_within_rule("loss", ours, stock_loss(torch.float32), stock_loss(torch.float64))

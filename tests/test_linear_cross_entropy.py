@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from logitless import reference
+from logitless import testing
 from tests.helpers import DTYPES, V, assert_compiled_matches_eager, check_against_truth, make_case
 
 # reduction x ignored tokens x label smoothing x z-loss x softcap x bias x class weights x dtype
@@ -20,7 +20,7 @@ GRID = list(itertools.product(
 def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, class_w, dtype):
     x, w, b, t = make_case(dtype, bias=bias, ignore_frac=ignore_frac, scale=3.0)
     cw = torch.rand(V, generator=torch.Generator().manual_seed(2)) + 0.5 if class_w else None
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
@@ -28,7 +28,7 @@ def test_option_grid(reduction, ignore_frac, smoothing, z_loss, softcap, bias, c
 def test_extreme_logits(dtype):
     # Logits of magnitude ~1e4: an exp without the max shift overflows, a bad online rescale gives NaN.
     x, w, b, t = make_case(dtype, scale=3000.0, bias=True)
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         label_smoothing=0.1, z_loss=1e-6)
 
 
@@ -36,14 +36,14 @@ def test_extreme_logits(dtype):
 def test_odd_large_vocab_single_token(dtype):
     # N = 1, D = 123, V = 50257 (GPT-2): several vocabulary chunks with a ragged last one.
     x, w, b, t = make_case(dtype, n=1, d=123, v=50257, ignore_frac=0.0, bias=True)
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         reduction="mean", label_smoothing=0.05)
 
 
 def test_many_token_chunks():
     # More rows than one token chunk, so the chunk loop and its bookkeeping run more than once.
     x, w, b, t = make_case(torch.float32, n=700, d=16, v=5000, bias=True)
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         reduction="sum", label_smoothing=0.2, z_loss=1e-3, softcap=4.0)
 
 
@@ -51,7 +51,7 @@ def test_leading_dims_int32_noncontiguous():
     x, w, b, t = make_case(torch.float32, n=2 * 3 * 7, lead=(2, 3, 7))
     x_nc = x.transpose(0, 1)  # (3, 2, 7, D), non-contiguous
     t_nc = t.transpose(0, 1).to(torch.int32)
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x_nc, w, b, t_nc,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x_nc, w, b, t_nc,
                         reduction="none")
     out = logitless.linear_cross_entropy(x_nc, w, t_nc, reduction="none")
     assert out.shape == (3, 2, 7)
@@ -75,7 +75,7 @@ def test_all_ignored_and_empty_follow_pytorch(reduction):
 def test_custom_ignore_index_and_none():
     x, w, b, t = make_case(torch.float32)
     t = torch.where(t == -100, torch.full_like(t, 7), t)  # class 7 is ignored
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         ignore_index=7)
     a = logitless.linear_cross_entropy(x, w, torch.where(t == 7, -100, t), ignore_index=None)
     torch.testing.assert_close(a, F.cross_entropy(F.linear(x, w), torch.where(t == 7, -100, t)))

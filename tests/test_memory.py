@@ -1,6 +1,6 @@
 """The PyTorch path never builds N x V: peak extra memory of forward + backward, measured as peak RSS of a
 subprocess, stays under 10% of what the float32 logits alone would take, and within the default memory policy's
-budget (reference.default_workspace_bytes: a tenth of the bf16 logits, 5% of the float32 ones, here)."""
+budget (loss_math.default_workspace_bytes: a tenth of the bf16 logits, 5% of the float32 ones, here)."""
 
 import json
 import subprocess
@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
     peak = rss_kib("VmHWM")
     extra = peak * 1024 - base * 1024 - grad_bytes
     print(json.dumps({"extra_bytes": extra, "logits_bytes": N * V * 4, "loss": float(loss),
-                      "budget": logitless.reference.default_workspace_bytes(N, V)}))
+                      "budget": logitless.loss_math.default_workspace_bytes(N, V)}))
 """)
 
 

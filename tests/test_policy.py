@@ -1,4 +1,4 @@
-"""The default memory policy (reference.default_workspace_bytes): its arithmetic, the plans it picks on both paths,
+"""The default memory policy (loss_math.default_workspace_bytes): its arithmetic, the plans it picks on both paths,
 their precision, and their peak memory against the budget."""
 
 import functools
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import reference
+from logitless import loss_math, testing, torch_backend
 from logitless.bench.measure import _cpu_peak
 from logitless.kernels import linear_head as lh
 from tests.helpers import assert_within_rule, check_against_truth, leaves, make_case
@@ -20,21 +20,21 @@ BENCH_SHAPES = [(16384, 768, 50257), (8192, 2304, 256000), (16384, 4096, 128256)
 
 def test_budget_arithmetic():
     # max(16 MiB, a tenth of the bf16 logits), in bytes, whatever the dtype
-    assert reference.default_workspace_bytes(1, 1) == 16 * MiB
-    assert reference.default_workspace_bytes(512, 32000) == 16 * MiB  # 3.3 MB of a tenth
-    assert reference.default_workspace_bytes(16384, 50257) == 2 * 16384 * 50257 // 10  # gpt2: 157 MiB
-    assert reference.default_workspace_bytes(8192, 131072) == 214748364  # mistral-nemo: 205 MiB
+    assert loss_math.default_workspace_bytes(1, 1) == 16 * MiB
+    assert loss_math.default_workspace_bytes(512, 32000) == 16 * MiB  # 3.3 MB of a tenth
+    assert loss_math.default_workspace_bytes(16384, 50257) == 2 * 16384 * 50257 // 10  # gpt2: 157 MiB
+    assert loss_math.default_workspace_bytes(8192, 131072) == 214748364  # mistral-nemo: 205 MiB
     n = 16 * MiB * 10 // 2  # the crossover: N V = 80 Mi
-    assert reference.default_workspace_bytes(n, 1) == 16 * MiB
-    assert reference.default_workspace_bytes(n + 10, 1) == 2 * (n + 10) // 10 > 16 * MiB
-    assert lh.default_workspace_bytes is reference.default_workspace_bytes  # one policy for both paths
+    assert loss_math.default_workspace_bytes(n, 1) == 16 * MiB
+    assert loss_math.default_workspace_bytes(n + 10, 1) == 2 * (n + 10) // 10 > 16 * MiB
+    assert lh.default_workspace_bytes is loss_math.default_workspace_bytes  # one policy for both paths
 
 
 @pytest.mark.parametrize("n,d,v", BENCH_SHAPES)
 def test_policy_buys_the_accumulator_at_the_benchmark_shapes(n, d, v):
     # bf16 / fp16: the float32 dx accumulator gets its own buffer (no second pass), the rest is scratch; the whole
     # budget stays under a tenth of the bf16 logits and far under the accumulator plus torch.compile's logits.
-    budget = reference.default_workspace_bytes(n, v)
+    budget = loss_math.default_workspace_bytes(n, v)
     ws = lh._workspace(n, v, d, 2, None)
     assert ws.own_acc and ws.scratch == budget - 4 * n * d >= lh.SCRATCH_BYTES
     assert budget <= 2 * n * v / 10
@@ -53,7 +53,7 @@ def test_workspace_overrides():
     assert lh._workspace(n, v, d, 2, 300 * MiB) == (300 * MiB - 4 * n * d, True)
     # an accumulator the plan must allocate anyway (a frozen head, V < 2N) counts against the budget
     assert lh._workspace(n, v, d, 2, None, acc_forced=True) == (
-        reference.default_workspace_bytes(n, v) - 4 * n * d, True)
+        loss_math.default_workspace_bytes(n, v) - 4 * n * d, True)
     assert lh._workspace(n, v, d, 2, 20 * MiB, acc_forced=True) == (lh.SCRATCH_BYTES, True)
     assert lh._workspace(n, v, d, 2, 0, acc_forced=True) == (lh.SCRATCH_BYTES, False)
 
@@ -63,12 +63,12 @@ def test_workspace_overrides():
 def test_torch_path_blocks(n, v, temporaries):
     # One float32 block takes half the budget (a third with temporaries of its size), all tokens at once while
     # that leaves >= _MIN_COLS classes (else token chunks of _MIN_COLS classes), never more than the head.
-    rows, cols = reference._block(n, v, temporaries)
-    budget = reference.default_workspace_bytes(n, v)
+    rows, cols = torch_backend._block(n, v, temporaries)
+    budget = loss_math.default_workspace_bytes(n, v)
     assert 1 <= rows <= n and 1 <= cols <= v
     assert rows * cols * 4 <= budget // (3 if temporaries else 2)
-    assert cols >= min(v, reference._MIN_COLS)
-    assert rows == n or cols == min(v, reference._MIN_COLS) or rows * (cols + 1) * 4 > budget // 2
+    assert cols >= min(v, torch_backend._MIN_COLS)
+    assert rows == n or cols == min(v, torch_backend._MIN_COLS) or rows * (cols + 1) * 4 > budget // 2
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def small_policy(monkeypatch):
     scratch); poisoned workspaces. Returns the three budgets (lean, policy, large)."""
     monkeypatch.setattr(lh, "DEBUG_POISON", True)
     monkeypatch.setattr(lh, "SCRATCH_BYTES", SCRATCH)
-    monkeypatch.setattr(reference, "POLICY_MIN_BYTES", 4 * N * D + 2 * SCRATCH)
+    monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 4 * N * D + 2 * SCRATCH)
     return 0, None, 4 * N * D + 16 * SCRATCH
 
 
@@ -112,15 +112,15 @@ def test_every_plan_within_rule(small_policy, budget, dtype, needs, opts):
         if needs == "x":  # a frozen head: only the input requires grad
             outs = []
             for f, xx, ww in ((functools.partial(fn, backend="triton"), x, w),
-                              (functools.partial(reference.naive_linear_cross_entropy, upcast=False), x, w),
-                              (reference.naive_linear_cross_entropy, x.double(), w.double())):
+                              (functools.partial(testing.naive_linear_cross_entropy, upcast=False), x, w),
+                              (testing.naive_linear_cross_entropy, x.double(), w.double())):
                 xo = xx.detach().clone().requires_grad_(True)
                 loss = f(xo, ww, t, **opts)
                 outs.append((loss, torch.autograd.grad(loss, xo)[0]))
             assert_within_rule("loss", outs[0][0], outs[1][0], outs[2][0])
             assert_within_rule("d_input", outs[0][1], outs[1][1], outs[2][1])
         else:
-            check_against_truth(fn, reference.naive_linear_cross_entropy, x, w, b, t, backend="triton", **opts)
+            check_against_truth(fn, testing.naive_linear_cross_entropy, x, w, b, t, backend="triton", **opts)
     assert seen[-1].own_acc == (budget != "lean" and dtype != torch.float32)
 
 
@@ -137,7 +137,7 @@ def test_log_probs_entropy_and_stash_every_plan(small_policy, monkeypatch):
         assert lay is not None
         classes.append(lay.classes)
         check_against_truth(functools.partial(logitless.linear_log_probs, temperature=0.8, workspace_bytes=ws),
-                            functools.partial(reference.naive_linear_log_probs, temperature=0.8), x, w, None, t,
+                            functools.partial(testing.naive_linear_log_probs, temperature=0.8), x, w, None, t,
                             upstream=up, backend="triton")
     assert classes[0] < classes[1] <= classes[2]  # with its own accumulator, all of dW is room for the stash
 
@@ -149,7 +149,7 @@ def test_vocab_order_under_the_policy(small_policy):
         x, w, b, t = make_case(torch.bfloat16, n=N, d=D, v=V, scale=3.0)
         check_against_truth(functools.partial(logitless.linear_cross_entropy, skip_threshold=2**-12,
                                               vocab_order="batch", workspace_bytes=ws),
-                            reference.naive_linear_cross_entropy, x, w, None, t, backend="triton")
+                            testing.naive_linear_cross_entropy, x, w, None, t, backend="triton")
 
 
 def _backward_peak(x, w, t, ws):
@@ -167,7 +167,7 @@ def test_peak_memory_within_budget(small_policy):
     slack = 16 * 4 * N + 1024  # O(N): per-row vectors (a few hundred bytes measured)
     lean, policy, large = (_backward_peak(x, w, t, ws) for ws in small_policy)
     assert lean <= SCRATCH + slack, lean
-    assert policy <= reference.default_workspace_bytes(N, V) + slack, policy
+    assert policy <= loss_math.default_workspace_bytes(N, V) + slack, policy
     assert large <= small_policy[2] + slack, large
     assert policy >= lean + 4 * N * D // 2  # the accumulator's own buffer is there
 
@@ -176,17 +176,17 @@ def test_torch_path_peak_and_precision_with_many_blocks(monkeypatch):
     # The PyTorch path at a budget of 256 KiB: blocks of 1024 classes x 32 tokens, several of each, within the rule
     # with every option that takes a temporary (softcap, smoothing with class weights, z-loss, bias), and its peak
     # above the gradients (and the float32 dx accumulator, O(N D)) within the budget.
-    monkeypatch.setattr(reference, "POLICY_MIN_BYTES", 256 << 10)
+    monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 256 << 10)
     n, d, v = 96, 24, 2500
-    rows, cols = reference._block(n, v, True)
+    rows, cols = torch_backend._block(n, v, True)
     assert rows < n and cols < v
     x, w, b, t = make_case(torch.float32, n=n, d=d, v=v, bias=True, scale=2.0)
     cw = torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         softcap=8.0, label_smoothing=0.1, weight=cw, z_loss=1e-3, reduction="none")
     up = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     check_against_truth(functools.partial(logitless.linear_log_probs, return_entropy=False, temperature=0.7),
-                        functools.partial(reference.naive_linear_log_probs, temperature=0.7), x, w, b, t,
+                        functools.partial(testing.naive_linear_log_probs, temperature=0.7), x, w, b, t,
                         upstream=up)
     xo, wo, bo = leaves(x, w, b)
 
@@ -196,4 +196,4 @@ def test_torch_path_peak_and_precision_with_many_blocks(monkeypatch):
 
     peak, _ = _cpu_peak(run)
     extra = peak - xo.grad.nbytes - wo.grad.nbytes - bo.grad.nbytes
-    assert extra <= reference.default_workspace_bytes(n, v) + 64 * 4 * n + (16 << 10), extra
+    assert extra <= loss_math.default_workspace_bytes(n, v) + 64 * 4 * n + (16 << 10), extra

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import reference
+from logitless import testing
 from logitless.bench import data
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import class_counts
@@ -50,7 +50,7 @@ def lce_check(x, w, b, t, **kw):
     up = None
     if kw.get("reduction") == "none":  # a random upstream gradient, made on the kernels' device
         up = torch.randn(t.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
-    check_against_truth(logitless.linear_cross_entropy, reference.naive_linear_cross_entropy, x, w, b, t,
+    check_against_truth(logitless.linear_cross_entropy, testing.naive_linear_cross_entropy, x, w, b, t,
                         upstream=up, backend="triton", **kw)
 
 
@@ -283,10 +283,10 @@ def test_backward_workspaces(name, products, monkeypatch):
                                           reduction="sum", label_smoothing=0.1,
                                           workspace_bytes=budget[0] if budget else 0)
     theirs_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
-    theirs = reference.naive_linear_cross_entropy(*theirs_in[:2], t, linear_bias=theirs_in[2], upcast=False,
+    theirs = testing.naive_linear_cross_entropy(*theirs_in[:2], t, linear_bias=theirs_in[2], upcast=False,
                                                   reduction="sum", label_smoothing=0.1)
     t64_in = [a.detach().double().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
-    truth = reference.naive_linear_cross_entropy(*t64_in[:2], t, linear_bias=t64_in[2], reduction="sum",
+    truth = testing.naive_linear_cross_entropy(*t64_in[:2], t, linear_bias=t64_in[2], reduction="sum",
                                                  label_smoothing=0.1)
     assert_within_rule("loss", ours, theirs, truth)
     ours_grads = grads(ours, ours_in)
@@ -348,9 +348,9 @@ def test_stash(stash_spy, dtype, n, d, v, bias, opts):
         wo, bo = leaves(w, b)
         ours = logitless.linear_cross_entropy(x, wo, t, linear_bias=bo, backend="triton", **opts)
         wt, bt = leaves(w, b)
-        theirs = reference.naive_linear_cross_entropy(x, wt, t, linear_bias=bt, upcast=False, **opts)
+        theirs = testing.naive_linear_cross_entropy(x, wt, t, linear_bias=bt, upcast=False, **opts)
         w64, b64 = leaves(w.double(), b.double())
-        truth = reference.naive_linear_cross_entropy(x.double(), w64, t, linear_bias=b64, **opts)
+        truth = testing.naive_linear_cross_entropy(x.double(), w64, t, linear_bias=b64, **opts)
         assert_within_rule("loss", ours, theirs, truth)
         for name, go, gt, g64 in zip(("d_weight", "d_bias"), grads(ours, [wo, bo]), grads(theirs, [wt, bt]),
                                      grads(truth, [w64, b64]), strict=True):
@@ -753,7 +753,7 @@ def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
         if name == "ours":
             outs[name] = logitless.linear_cross_entropy(xi, wi, t, linear_bias=bi, backend="triton", **opts, **kw)
         else:
-            outs[name] = reference.naive_linear_cross_entropy(xi, wi, t, linear_bias=bi, upcast=name == "f64", **kw)
+            outs[name] = testing.naive_linear_cross_entropy(xi, wi, t, linear_bias=bi, upcast=name == "f64", **kw)
     assert_within_rule("loss", outs["ours"], outs["torch"], outs["f64"])
     gs = {name: grads(outs[name], ins[name]) for name in outs}
     names = [f"d_{k}" for k, a in zip("xwb", (x, w, b), strict=True) if a is not None and k in needs]
@@ -903,7 +903,7 @@ def test_skip_log_probs(monkeypatch, small_tiles):
     monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
     up = torch.randn(40, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     check_against_truth(functools.partial(logitless.linear_log_probs, skip_threshold=TAU),
-                        reference.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
+                        testing.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
     assert len(plans) == 1 and not bool(plans[0].hot.all())
 
 
@@ -918,7 +918,7 @@ def test_workspace_bytes_log_probs_and_module(monkeypatch):
     x, w, b, t = case(torch.bfloat16, n=37, d=130, v=300, bias=True, scale=2.0)
     up = torch.randn(37, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     check_against_truth(functools.partial(logitless.linear_log_probs, temperature=0.8, workspace_bytes=budget),
-                        functools.partial(reference.naive_linear_log_probs, temperature=0.8), x, w, b, t,
+                        functools.partial(testing.naive_linear_log_probs, temperature=0.8), x, w, b, t,
                         upstream=up, backend="triton")
     xo, wo = leaves(x, w)
     lse = logitless.linear_logsumexp(xo, wo, workspace_bytes=budget, backend="triton")

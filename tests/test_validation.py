@@ -250,7 +250,6 @@ def test_func_transforms_are_refused_clearly(backend, transform):
         "linear_log_probs": (lambda a: logitless.linear_log_probs(a, w, t, backend=backend).sum(), x),
         "linear_logsumexp": (lambda a: logitless.linear_logsumexp(a, w, backend=backend).sum(), x),
         "cross_entropy": (lambda a: logitless.cross_entropy(a, t, backend=backend), x @ w.T),
-        "reference.cross_entropy": (lambda a: logitless.reference.cross_entropy(a, t), x @ w.T),
     }
     for name, (fn, arg) in ops.items():
         with pytest.raises(RuntimeError, match=rf"logitless\.{name} does not support torch\.func\.") as info:

@@ -1,6 +1,6 @@
 """Backend selection: one function picks "triton" or "torch" from the request, the device and the environment.
 
-- ``backend="torch"`` always runs the chunked PyTorch path (reference.py).
+- ``backend="torch"`` always runs the chunked PyTorch path (torch_backend.py).
 - ``backend="triton"`` runs the Triton kernels: on CUDA tensors, or on CPU tensors through the Triton interpreter
   when ``TRITON_INTERPRET=1`` is set (that is how the kernels are tested without a GPU).
 - ``backend="auto"`` (the default) is replaced by ``$LOGITLESS_BACKEND`` when that is set, else picks Triton for

@@ -17,6 +17,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 REDUCTIONS = ("mean", "sum", "none")
+VOCAB_ORDERS = ("batch", "none")
 
 
 class HeadArgs(NamedTuple):
@@ -226,3 +227,48 @@ def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tenso
     lead_shape = logits.shape[:-1]
     t = check_target(target, lead_shape, V, ignore_index, logits.device)
     return logits.reshape(-1, V), t, lead_shape
+
+
+def check_skip_options(skip_threshold, vocab_order, num_classes: int | None, device) -> None:
+    """ValueError/TypeError for a bad skip_threshold (None or a float in [0, 1)) or vocab_order ("batch", "none",
+    or a (V,) tensor of per-class counts on the input's device; num_classes None: any tensor, checked later)."""
+    if skip_threshold is not None:
+        if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)):
+            raise TypeError(f"skip_threshold must be None or a Python float, got {type(skip_threshold).__name__}")
+        if not 0.0 <= float(skip_threshold) < 1.0:
+            raise ValueError(f"skip_threshold must be in [0, 1) (a fraction of each row's probability mass), "
+                             f"got {skip_threshold}")
+    if isinstance(vocab_order, torch.Tensor):
+        if num_classes is None:
+            return
+        if vocab_order.shape != (num_classes,):
+            raise ValueError(f"vocab_order as a tensor must hold one count per class, shape ({num_classes},), "
+                             f"got {tuple(vocab_order.shape)}")
+        if vocab_order.device != device:
+            raise ValueError(f"vocab_order is on {vocab_order.device}, input on {device}")
+        if vocab_order.is_complex() or vocab_order.dtype == torch.bool:
+            raise TypeError(f"vocab_order counts must be real numbers, got {vocab_order.dtype}")
+    elif vocab_order not in VOCAB_ORDERS:
+        raise ValueError(f"vocab_order must be one of {VOCAB_ORDERS} or a tensor of per-class counts, "
+                         f"got {vocab_order!r}")
+
+
+def check_workspace(workspace_bytes) -> None:
+    """TypeError/ValueError unless workspace_bytes is None or a non-negative Python int."""
+    if workspace_bytes is None:
+        return
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int):
+        raise TypeError(f"workspace_bytes must be None or a Python int (bytes), got {type(workspace_bytes).__name__}")
+    if not 0 <= workspace_bytes < 1 << 63:
+        raise ValueError(f"workspace_bytes must be in [0, 2**63), got {workspace_bytes}")
+
+
+def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
+    """True when the Triton kernels take this dtype; float64 raises for an explicit backend="triton" and falls back
+    to the PyTorch path under "auto"."""
+    if x.dtype in KERNEL_DTYPES:
+        return True
+    if backend == "triton":
+        raise TypeError(f"backend='triton' takes float32, bfloat16 or float16 inputs, got {x.dtype}; "
+                        "use backend='torch' for float64")
+    return False

@@ -11,7 +11,8 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from . import _validate, reference
+from . import _validate, torch_backend
+from ._autograd import first_order_only
 from ._dispatch import resolve_backend
 
 
@@ -128,7 +129,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    @reference.first_order_only
+    @first_order_only
     def backward(ctx, grad_loss, _grad_lse):
         if not ctx.needs_input_grad[0]:
             return (None,) * 9
@@ -249,9 +250,8 @@ def cross_entropy(
     if inplace_backward:
         logits2d = unit_class_stride(logits2d)  # a copy where strided: the gradient overwrites it, not the caller's
     if chosen == "torch":
-        loss, lse = reference.cross_entropy_torch(logits2d, t, lead_shape, weight, reduction, ignore_index,
-                                                  label_smoothing, z_loss, softcap, return_lse=True,
-                                                  inplace_backward=inplace_backward)
+        loss, lse = torch_backend.cross_entropy(logits2d, t, lead_shape, weight, reduction, ignore_index,
+                                                label_smoothing, z_loss, softcap, inplace_backward=inplace_backward)
     else:
         loss, lse = _cross_entropy_triton(logits2d, t, weight, reduction, ignore_index, label_smoothing, z_loss,
                                           softcap, inplace_backward)

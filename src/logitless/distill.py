@@ -12,8 +12,8 @@ tile; only the student gets gradients (the teacher is treated as a constant, wha
 Layers, as for the other ops: public functions (validation, dispatch, reduction) -> per backend an autograd
 node (``_TwoHeadsTorch``, the chunked PyTorch twin; the torch.library ops ``logitless::two_heads_loss`` and
 ``logitless::two_heads_grad`` around kernels/two_heads.py) -> per-row statistics -> ``row_loss``, shared by both
-backends. The ``naive_*`` functions at the bottom build full logits with PyTorch's own ops: ground truth for the
-tests (in float64) and the eager peer of the benchmark.
+backends. logitless.testing.naive_two_heads builds full logits with PyTorch's own ops: ground truth for the tests
+(in float64) and the eager peer of the benchmark.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from . import _validate, reference
-from ._dispatch import resolve_backend
-from .linear_cross_entropy import check_kernel_dtype
+from . import _validate, torch_backend
+from ._autograd import first_order_only, no_double_backward, no_setup
+from .head import choose_backend
+from .torch_backend import chunks, token_chunk
 
 # The losses, by the divergence each row computes (see row_loss):
 #   "fkl"  KL(p_t || p_s)          weights p_t   dL/dz_s = p_s - p_t
@@ -186,23 +186,23 @@ def _log_mix(lt, ls, beta):
 
 
 def _chunk_logits(x, w, b, i0, i1, v0, v1, softcap, inv_temp):
-    return reference._linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
+    return torch_backend.linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
 
 
 def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> RowStats:
     """RowStats in token chunks x vocabulary chunks (never N x V): pass 1 online, pass 2 for the JSD."""
     n, V = a.xs.shape[0], a.ws.shape[0]
-    acc = reference._acc(a.xs.dtype)
+    acc = torch_backend.acc_dtype(a.xs.dtype)
     f = dict(device=a.xs.device, dtype=acc)
     out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks")}
     w_student = weights_student(kind)
-    cn = reference._token_chunk(V)
-    for i0, i1 in reference._chunks(n, cn):
+    cn = token_chunk(V)
+    for i0, i1 in chunks(n, cn):
         c = i1 - i0
         m_s = torch.full((c,), -math.inf, **f)
         m_t = torch.full((c,), -math.inf, **f)
         s_s, s_t, ent, dsum = (torch.zeros(c, **f) for _ in range(4))
-        for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+        for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             za, zb = (zs, zt) if w_student else (zt, zs)
@@ -231,11 +231,11 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         out["ea"][sl], out["da"][sl] = ent / s_a, dsum / s_a
     if kind != "jsd":
         return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"])
-    for i0, i1 in reference._chunks(n, cn):
+    for i0, i1 in chunks(n, cn):
         sl = slice(i0, i1)
         kt = torch.zeros(i1 - i0, **f)
         ks = torch.zeros(i1 - i0, **f)
-        for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+        for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
@@ -255,23 +255,23 @@ def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, 
     need_x, need_w, need_b = needs
     n, D = xs.shape
     V = ws.shape[0]
-    acc = reference._acc(xs.dtype)
+    acc = torch_backend.acc_dtype(xs.dtype)
     dx = torch.zeros(n, D, device=xs.device, dtype=acc) if need_x else None
     dw = torch.empty_like(ws) if need_w else None
     db = torch.empty_like(bs) if need_b else None
-    cn = reference._token_chunk(V)
-    for v0, v1 in reference._chunks(V, reference._VOCAB_CHUNK):
+    cn = token_chunk(V)
+    for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
         w_c = ws[v0:v1].to(acc)
         dw_c = torch.zeros(v1 - v0, D, device=xs.device, dtype=acc) if need_w else None
         db_c = torch.zeros(v1 - v0, device=xs.device, dtype=acc) if need_b else None
-        for i0, i1 in reference._chunks(n, cn):
+        for i0, i1 in chunks(n, cn):
             sl = slice(i0, i1)
             raw = _chunk_logits(xs, ws, bs, i0, i1, v0, v1, None, 1.0)  # the chain rule needs the raw logits
-            zs = reference._transform(raw, softcap, inv_temp)
+            zs = torch_backend.transform(raw, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             dz = dz_student(kind, beta, zs, zt, st.m_s[sl], st.logs_s[sl], st.m_t[sl], st.logs_t[sl],
                             None if R is None else R[sl], g[sl])
-            dz = reference._chain_transform(dz, raw, softcap, inv_temp)
+            dz = torch_backend.chain_transform(dz, raw, softcap, inv_temp)
             if need_x:
                 dx[sl] += dz @ w_c
             if need_w:
@@ -298,7 +298,7 @@ class _TwoHeadsTorch(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @reference.first_order_only
+    @first_order_only
     def backward(ctx, g):
         xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R = ctx.saved_tensors
         kind, beta, softcap, inv_temp = ctx.opts
@@ -383,23 +383,14 @@ def _loss_backward(ctx, g, *_ignored):
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 8
 
 
-def _no_setup(ctx, inputs, output):
-    pass
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(reference.NOT_DIFFERENTIABLE)
-
-
 torch.library.register_autograd("logitless::two_heads_loss", _loss_backward, setup_context=_loss_setup_context)
-torch.library.register_autograd("logitless::two_heads_grad", _no_double_backward, setup_context=_no_setup)
+torch.library.register_autograd("logitless::two_heads_grad", no_double_backward, setup_context=no_setup)
 
 
 def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None):
     softcap = None if softcap is None else float(softcap)
     inv_temp = 1.0 / float(temperature)
-    chosen = resolve_backend(backend, a.xs.device, op)
-    if chosen == "triton" and check_kernel_dtype(a.xs, backend):
+    if choose_backend(backend, a.xs, op) == "triton":
         per_row = _loss_op(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, float(beta), softcap, inv_temp,
                            workspace_bytes)[0]
     else:
@@ -408,11 +399,9 @@ def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, o
 
 
 def _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes):
-    from .linear_cross_entropy import check_workspace
-
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, temperature=temperature, softcap=softcap, ignore_index=ignore_index)
-    check_workspace(workspace_bytes)
+    _validate.check_workspace(workspace_bytes)
     return ignore_index
 
 
@@ -538,42 +527,3 @@ def linear_soft_cross_entropy(
                  names=("input", "target"))
     return _run(a, "ce", 0.0, softcap, temperature, reduction, backend, "linear_soft_cross_entropy",
                 workspace_bytes)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Full logits with PyTorch's ops (the tests' ground truth in float64, PyTorch's own error in the input dtype, and
-# the benchmark's eager peer). Same keyword arguments as the public functions, plus `upcast` (float32 math for
-# bfloat16/float16 logits) and the kind.
-
-
-def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
-                    target=None, ignore_index=-100, temperature=1.0, reduction="mean", student_bias=None,
-                    teacher_bias=None, softcap=None, upcast=True):
-    zs = F.linear(student_input, student_weight, student_bias)
-    zt = F.linear(teacher_input, teacher_weight, teacher_bias)
-    if upcast and zs.dtype in (torch.bfloat16, torch.float16):
-        zs, zt = zs.float(), zt.float()
-    zt = zt.detach()
-    if softcap is not None:
-        zs = softcap * torch.tanh(zs / softcap)
-        zt = softcap * torch.tanh(zt / softcap)
-    ls = torch.log_softmax(zs / temperature, dim=-1)
-    lt = torch.log_softmax(zt / temperature, dim=-1)
-    if kind == "fkl" or (kind == "jsd" and beta == 0.0):
-        per = (lt.exp() * (lt - ls)).sum(-1)
-    elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
-        per = (ls.exp() * (ls - lt)).sum(-1)
-    elif kind == "ce":
-        per = -(lt.exp() * ls).sum(-1)
-    else:
-        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
-        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
-    valid = None
-    if target is not None:
-        valid = target if target.dtype == torch.bool else target != ignore_index
-        per = torch.where(valid, per, torch.zeros_like(per))
-    if reduction == "none":
-        return per
-    if reduction == "sum":
-        return per.sum()
-    return per.sum() / (valid.sum() if valid is not None else per.numel())

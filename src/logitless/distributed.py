@@ -3,15 +3,22 @@
 Each rank of ``process_group`` holds a contiguous block of rows of the classifier (its vocabulary shard; shards
 in rank order, sizes may differ), the same input rows and the same global targets. The math (docs/distributed.md):
 
-1. Each rank runs the chunked single-device pass on its shard, with targets shifted by its first row (a target
-   outside [0, V_r) is "in another shard": it contributes no target logit here). Per row it gets the shard's max
-   m_r, log-sum s_r = log sum_{j in r} exp(z_j - m_r), target logit, smoothing sum sum_j w_j (z_j - m_r) and entropy.
+1. Each rank runs the head op (logitless.head, either backend) on its shard, with targets shifted by its first row
+   (a target outside [0, V_r) is "in another shard": it contributes no target logit here). Per row it gets the
+   shard's max m_r, log-sum s_r = log sum_{j in r} exp(z_j - m_r), target logit, smoothing sum
+   sum_j w_j (z_j - m_r) and entropy.
 2. One all-gather of those few floats per row gives every rank the same global statistics, combined in the same
    order on every rank (so every rank returns bit-identical values): M = max_r m_r, logs = log sum_r
    exp((m_r - M) + s_r), the target logit and smoothing sums add up, and the entropy of the mixture is
-   H = sum_r q_r (H_r - log q_r) with q_r = exp(lse_r - lse) the share of the probability mass in shard r.
-3. Backward: each rank builds dL/dz on its own shard with the global (M, logs) and per-row coefficients, keeps its
-   weight (and bias) gradient, and the input gradient, a sum over shards, is all-reduced in float32.
+   H = sum_r q_r (H_r - log q_r) with q_r = exp(lse_r - lse) the share of the probability mass in shard r. The
+   losses are the single-device ones, written on these statistics with the same code (loss_math).
+3. Backward: autograd takes the gradient through the combination and the all-gather (each rank keeps its own
+   slot) to the statistics of the shard, whose head op runs its generic backward there: each rank keeps its weight
+   (and bias) gradient, and the input gradient, a sum over shards, is all-reduced in float32.
+
+Every option of the head op's backward works here as on one device: ``workspace_bytes``, ``skip_threshold`` /
+``vocab_order`` (on the shard's own vocabulary: a tile that holds at most that fraction of the shard's mass holds
+at most that fraction of the row's) and the Triton forward's stash.
 
 Collectives per call: forward, one all-gather of the shard sizes (skipped when the layout is known: ``vocab_start``
 and ``vocab_size`` given, or a DTensor weight) and one all-gather of the statistics; backward, one all-reduce of the
@@ -21,14 +28,13 @@ device (on CPU they are read at once). No N x V_r tensor is built.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import _validate, reference
-from ._dispatch import resolve_backend
+from . import _validate, head, loss_math, torch_backend
+from .loss_math import Stats
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "linear_logsumexp"]
 
@@ -51,101 +57,26 @@ class _Layout(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Local compute: one pair of functions, one implementation per backend, with the contract of the launchers of
-# kernels/linear_head.py:
-#   forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy) -> (m, logs, zt, sw, ent) of
-#       the shard, per row in the accumulation dtype; sw = sum_j w_j (z_j - m); None where not asked for.
-#   backward(x, w, b, t_local, class_w, m, logs, (A, B, C, E), softcap, inv_temp, needs) -> (dx in the accumulation
-#       dtype, ready for the all-reduce; dw; db).
-# t_local is the target minus the shard's first row: outside [0, V_r) it is in another shard (no target logit, no
-# one-hot term) -- both implementations treat it so, which the tests check with targets in every shard.
+# The statistics of the whole vocabulary: each rank's shard through the head op (either backend, every option of
+# its backward), one differentiable exchange, then the combination below. Autograd carries the gradients back
+# through the combination to each shard's statistics, and the head op's backward turns them into the coefficients
+# of its generic backward on the shard.
 
 
-class _LocalHead(NamedTuple):
-    forward: Callable
-    backward: Callable
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity; its backward all-reduces the input's gradient over the group, in float32 (float64 for float64):
+    the gradient of the replicated input is the sum of every shard's part."""
 
+    @staticmethod
+    def forward(ctx, x, group: _Group):
+        ctx.group = group
+        return x.view_as(x)
 
-def _empty_shard_forward(x, t_local, want_smooth, want_entropy):
-    # A shard of 0 rows (DTensor's Shard(0) of a small vocabulary over many ranks): no mass, lse_r = -inf.
-    n, acc = x.shape[0], reference._acc(x.dtype)
-    zeros = lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None
-    neg_inf = torch.full((n,), float("-inf"), device=x.device, dtype=acc)
-    return neg_inf, neg_inf.clone(), zeros(t_local is not None), zeros(want_smooth), zeros(want_entropy)
-
-
-def _empty_shard_backward(x, w, b, needs):
-    dx = torch.zeros(x.shape, device=x.device, dtype=reference._acc(x.dtype)) if needs[0] else None
-    return dx, (torch.empty_like(w) if needs[1] else None), (torch.empty_like(b) if needs[2] else None)
-
-
-def _torch_forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy):
-    n, v_local = x.shape[0], w.shape[0]
-    if v_local == 0:
-        return _empty_shard_forward(x, t_local, want_smooth, want_entropy)
-    acc = reference._acc(x.dtype)
-    chunk = lambda i0, i1, v0, v1: reference._linear_chunk(
-        x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp
-    )
-    m, logs, zt, sw, ref, ent = reference._head_forward(chunk, n, v_local, x.device, acc, t_local, None, class_w,
-                                                        want_smooth, want_entropy)
-    if sw is not None:
-        # The reference keeps the smoothing sum relative to its first block's max; re-base it on the row max.
-        w_r = class_w.sum() if class_w is not None else float(v_local)
-        sw = sw + w_r * (ref - m)
-    return m, logs, zt, sw, ent
-
-
-def _torch_backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs):
-    if w.shape[0] == 0:
-        return _empty_shard_backward(x, w, b, needs)
-    # Handing the reference an upcast input makes it return dx in float32: the partial sums are all-reduced
-    # before the one rounding to the input dtype. Its blocks are upcast anyway, so the math is unchanged.
-    x_acc = x.to(reference._acc(x.dtype)) if needs[0] else x
-    return reference._linear_head_backward(x_acc, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs)
-
-
-def _triton_forward(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy):
-    if w.shape[0] == 0:
-        return _empty_shard_forward(x, t_local, want_smooth, want_entropy)
-    from .kernels import linear_head
-
-    cw = None if class_w is None else class_w.float().contiguous()
-    m, logs, zt, sw, ent = linear_head.forward_stats(x, w, b, t_local, cw, softcap=softcap, inv_temp=inv_temp,
-                                                     want_smooth=want_smooth, want_entropy=want_entropy)
-    return m, logs, zt if t_local is not None else None, sw if want_smooth else None, ent if want_entropy else None
-
-
-def _triton_backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs):
-    if w.shape[0] == 0:
-        return _empty_shard_backward(x, w, b, needs)
-    from .kernels import linear_head
-
-    A, B, C, E = (None if c is None else c.float().contiguous() for c in coef)
-    cw = None if class_w is None else class_w.float().contiguous()
-    dx, dw, db = linear_head.backward(x, w, b, t_local, cw, m, logs, A, B, C, E, softcap=softcap,
-                                      inv_temp=inv_temp, need_dx=needs[0], need_dw=needs[1], need_db=needs[2])
-    # The launcher accumulates dx in float32 but returns it in the input dtype: each rank's partial is rounded
-    # once before the float32 all-reduce (the PyTorch path rounds only after it).
-    return (None if dx is None else dx.float()), dw, db
-
-
-_TORCH_LOCAL = _LocalHead(_torch_forward, _torch_backward)
-_TRITON_LOCAL = _LocalHead(_triton_forward, _triton_backward)
-
-
-def _local_impl(backend: str, x: torch.Tensor, op: str) -> _LocalHead:
-    """The same backend choice as the single-device functions (float64 stays on the PyTorch path under "auto")."""
-    if resolve_backend(backend, x.device, op) == "triton":
-        from .linear_cross_entropy import check_kernel_dtype
-
-        if check_kernel_dtype(x, backend):
-            return _TRITON_LOCAL
-    return _TORCH_LOCAL
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Combining the shards' statistics.
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32, copy=True)
+        dist.all_reduce(g, group=ctx.group.pg)
+        return g.to(grad.dtype), None
 
 
 def _gather(local: torch.Tensor, group: _Group) -> torch.Tensor:
@@ -158,160 +89,71 @@ def _gather(local: torch.Tensor, group: _Group) -> torch.Tensor:
     return out.view((group.size,) + tuple(local.shape))
 
 
-class _Global(NamedTuple):
-    m: torch.Tensor  # global row max
-    logs: torch.Tensor  # log sum_j exp(z_j - m) over the whole vocabulary
-    zt: torch.Tensor | None  # target logit
-    sw: torch.Tensor | None  # sum_j w_j (z_j - m): the smoothing sum relative to the global max
-    w_sum: torch.Tensor | None  # sum_j w_j (the vocabulary size without class weights)
-    w_t: torch.Tensor | None  # class weight of the target (unmasked)
-    ent: torch.Tensor | None  # entropy
+class _Gather(torch.autograd.Function):
+    """_gather, differentiable. Every rank computes the same loss from the gathered statistics (one function,
+    replicated, not a sum over ranks), so the statistics of this rank's shard get the gradient of their own slot."""
+
+    @staticmethod
+    def forward(ctx, local, group: _Group):
+        ctx.rank = group.rank
+        return _gather(local, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None
 
 
-def _exchange_stats(stats, *, v_local, t_local, class_w, group: _Group) -> _Global:
-    """Per-shard statistics (m, logs, zt, sw, ent) -> global ones, identical on every rank."""
-    m, logs, zt, sw, ent = stats
-    acc = m.dtype
-    rows = [m, logs]
-    if zt is not None:
-        rows.append(zt)
-    if sw is not None:
-        rows.append(sw)
-    if ent is not None:
-        rows.append(ent)
-    if class_w is not None and t_local is not None:
+def _global_stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, *, group: _Group,
+                  backend: str, skip: head.Skip, workspace_bytes) -> tuple[Stats, torch.Tensor | None, object]:
+    """The head op's Stats over the whole vocabulary (sw relative to the global max), identical on every rank, with
+    the target's class weight (None without class weights) and the sum of the class weights (the vocabulary size
+    without them; only with want_smooth). Collectives: one all-gather of a few floats per row; in the backward, one
+    all-reduce of the input's gradient (when it needs one)."""
+    if backend == "torch":
+        # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one rounding.
+        x = x.to(torch_backend.acc_dtype(x.dtype))
+    if x.requires_grad and torch.is_grad_enabled() and group.size > 1:
+        x = _SumGradOverGroup.apply(x, group)
+    st = head.stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
+                    skip=skip, ignore_index=-1, workspace_bytes=workspace_bytes)
+    v_local, n = w.shape[0], st.m.shape[0]
+    rows = [r for r in st if r is not None]
+    if class_w is not None and t_local is not None:  # the target's class weight: in one shard, 0 in the others
         inside = (t_local >= 0) & (t_local < v_local)
-        w_tr = class_w[t_local.clamp(0, max(v_local - 1, 0))] if v_local > 0 else torch.zeros_like(m)
-        rows.append(torch.where(inside, w_tr, torch.zeros_like(w_tr)))
+        w_tr = class_w[t_local.clamp(0, max(v_local - 1, 0))] if v_local > 0 else torch.zeros_like(st.m)
+        rows.append(torch.where(inside, w_tr.to(st.m.dtype), 0.0))
     local = torch.stack(rows).reshape(-1)
-    if sw is not None:  # the shard's sum of class weights (its row count without them) rides along
-        w_r = class_w.sum().reshape(1) if class_w is not None else torch.full((1,), float(v_local), device=m.device)
-        local = torch.cat([local, w_r.to(acc)])
-    n = m.shape[0]
-    allg = _gather(local, group)  # [P, k * n (+ 1)]
-    w_all = allg[:, -1] if sw is not None else None
-    st = allg[:, : len(rows) * n].view(group.size, len(rows), n)
-    m_all, logs_all = st[:, 0], st[:, 1]
+    if want_smooth:  # the shard's sum of class weights (its row count without them) rides along
+        w_r = class_w.sum().reshape(1) if class_w is not None else torch.full((1,), float(v_local), device=x.device)
+        local = torch.cat([local, w_r.to(local.dtype)])
+    allg = _Gather.apply(local, group)  # [P, k * n (+ 1)]
+    g = allg[:, : len(rows) * n].view(group.size, len(rows), n)
+    m_all, logs_all = g[:, 0], g[:, 1]
     M = m_all.amax(dim=0)
     rel = (m_all - M) + logs_all  # lse_r - M; -inf for an empty shard
-    logs_g = torch.logsumexp(rel, dim=0)
+    logs = torch.logsumexp(rel, dim=0)
     i = 2
-    zt_g = sw_g = w_sum = w_t = ent_g = None
-    if zt is not None:
-        zt_g = st[:, i].sum(dim=0)
+    zt = sw = ent = w_t = w_sum = None
+    if st.zt is not None:
+        zt = g[:, i].sum(dim=0)
         i += 1
-    if sw is not None:
-        shift = torch.where(torch.isfinite(m_all), m_all - M, torch.zeros_like(m_all))
-        sw_g = (st[:, i] + w_all[:, None] * shift).sum(dim=0)
+    if st.sw is not None:
+        w_all = allg[:, -1]
+        shift = torch.where(torch.isfinite(m_all), m_all - M, 0.0)
+        sw = (g[:, i] + w_all[:, None] * shift).sum(dim=0)
         w_sum = w_all.sum()
         i += 1
-    if ent is not None:
-        # H = sum_r q_r (H_r - log q_r): a mixture's entropy; every term is >= 0, so nothing cancels.
-        log_q = rel - logs_g
+    if st.ent is not None:
+        # H = sum_r q_r (H_r - log q_r), q_r = exp(lse_r - lse) the share of the probability mass in shard r: a
+        # mixture's entropy, every term >= 0, so nothing cancels. An empty shard (q_r = 0) adds 0, and no NaN to the
+        # gradient (log q_r = -inf stays out of every product).
+        log_q = rel - logs
         q = torch.exp(log_q)
-        ent_g = torch.where(q > 0, q * (st[:, i] - log_q), torch.zeros_like(q)).sum(dim=0)
+        ent = (q * (g[:, i] - torch.where(q > 0, log_q, 0.0))).sum(dim=0)
         i += 1
     if class_w is not None and t_local is not None:
-        w_t = st[:, i].sum(dim=0)
-    return _Global(M, logs_g, zt_g, sw_g, w_sum, w_t, ent_g)
-
-
-def _finish_backward(ctx, impl, group, x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp):
-    """The local backward (inputs x, w, b are the Function's first three), then the all-reduce of dx."""
-    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-    dx, dw, db = impl.backward(x, w, b, t_local, class_w, m, logs, coef, softcap, inv_temp, needs)
-    if dx is not None:
-        if group.size > 1:
-            dist.all_reduce(dx, group=group.pg)
-        dx = dx.to(x.dtype)
-    return dx, dw, db
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# autograd Functions: they take this rank's shard, the shifted targets and the layout, and save only tensors.
-
-
-def _save(ctx, *tensors_or_ints):
-    """save_for_backward for a mix of tensors, None and Python numbers (the layout may be either)."""
-    ctx.plain = {i: v for i, v in enumerate(tensors_or_ints) if not isinstance(v, torch.Tensor)}
-    ctx.save_for_backward(*(v for v in tensors_or_ints if isinstance(v, torch.Tensor)))
-
-
-def _load(ctx):
-    saved = iter(ctx.saved_tensors)
-    n = len(ctx.plain) + len(ctx.saved_tensors)
-    return [ctx.plain[i] if i in ctx.plain else next(saved) for i in range(n)]
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Outputs (per-token loss, 0 at ignored rows; target class weight w_t, 0 at ignored rows)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, t_local, valid, class_w, vocab, group, impl, label_smoothing, z_loss, softcap):
-        stats = impl.forward(x, w, b, t_local, class_w, softcap, 1.0, label_smoothing > 0.0, False)
-        g = _exchange_stats(stats, v_local=w.shape[0], t_local=t_local, class_w=class_w, group=group)
-        zero = torch.zeros_like(g.m)
-        w_t = torch.where(valid, g.w_t, zero) if class_w is not None else valid.to(g.m.dtype)
-        w_sum = g.w_sum if g.w_sum is not None else 0.0  # only used with label smoothing
-        # ce_loss_from_stats's smoothing term is w_sum ((m - ref) + logs) - sw; with ref = m it is
-        # w_sum logs - sum_j w_j (z_j - M), a sum of two non-negative terms.
-        loss = reference.ce_loss_from_stats(g.m, g.logs, g.zt, g.sw, g.m, valid, w_t, w_sum, label_smoothing,
-                                            z_loss, vocab)
-        _save(ctx, x, w, b, t_local, valid, class_w, g.m, g.logs, w_t, w_sum, vocab)
-        ctx.opts = (group, impl, label_smoothing, z_loss, softcap)
-        ctx.mark_non_differentiable(w_t)
-        return loss, w_t
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_w_t):
-        x, w, b, t_local, valid, class_w, m, logs, w_t, w_sum, vocab = _load(ctx)
-        group, impl, label_smoothing, z_loss, softcap = ctx.opts
-        coef = reference.ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, vocab)
-        dx, dw, db = _finish_backward(ctx, impl, group, x, w, b, t_local, class_w, m, logs, coef, softcap, 1.0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
-
-
-class _VocabParallelLogProbs(torch.autograd.Function):
-    """Outputs (log p of the target, entropy), each per row and 0 at ignored rows."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, t_local, valid, group, impl, softcap, inv_temp, want_entropy):
-        stats = impl.forward(x, w, b, t_local, None, softcap, inv_temp, False, want_entropy)
-        g = _exchange_stats(stats, v_local=w.shape[0], t_local=t_local, class_w=None, group=group)
-        zero = torch.zeros_like(g.m)
-        logp = torch.where(valid, (g.zt - g.m) - g.logs, zero)
-        ent = torch.where(valid, g.ent, zero) if g.ent is not None else zero.clone()
-        ctx.save_for_backward(x, w, b, t_local, valid, g.m, g.logs, ent)
-        ctx.opts = (group, impl, softcap, inv_temp, want_entropy)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        x, w, b, t_local, valid, m, logs, ent = ctx.saved_tensors
-        group, impl, softcap, inv_temp, want_entropy = ctx.opts
-        if not want_entropy:  # the zeros autograd materialised for the unused output: no B term
-            grad_ent = None
-        coef = reference.log_probs_backward_coef(grad_logp, grad_ent, logs, ent, valid)
-        dx, dw, db = _finish_backward(ctx, impl, group, x, w, b, t_local, None, m, logs, coef, softcap, inv_temp)
-        return dx, dw, db, None, None, None, None, None, None, None
-
-
-class _VocabParallelLogSumExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, b, group, impl, softcap, inv_temp):
-        stats = impl.forward(x, w, b, None, None, softcap, inv_temp, False, False)
-        g = _exchange_stats(stats, v_local=w.shape[0], t_local=None, class_w=None, group=group)
-        ctx.save_for_backward(x, w, b, g.m, g.logs)
-        ctx.opts = (group, impl, softcap, inv_temp)
-        return g.m + g.logs
-
-    @staticmethod
-    def backward(ctx, grad_lse):
-        x, w, b, m, logs = ctx.saved_tensors
-        group, impl, softcap, inv_temp = ctx.opts
-        coef = (grad_lse.to(m.dtype), None, None, None)
-        dx, dw, db = _finish_backward(ctx, impl, group, x, w, b, None, None, m, logs, coef, softcap, inv_temp)
-        return dx, dw, db, None, None, None, None
+        w_t = g[:, i].sum(dim=0)
+    return Stats(M, logs, zt, sw, ent), w_t, w_sum
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,7 +349,8 @@ def _prepare(input, linear_weight, linear_bias, target, ignore_index, process_gr
     if target is not None:
         t = _check_target(target, lead, layout.vocab, ignore_index, x.device)
         valid = t != ignore_index
-        t_local = t - layout.start  # outside [0, V_r): the target is in another shard
+        # Outside [0, V_r): in another shard (or ignored, -1), no target logit here.
+        t_local = torch.where(valid, t - layout.start, -1)
     return group, x2d, w, b, cw, lead, layout, valid, t_local
 
 
@@ -525,12 +368,14 @@ _PG_DOC = """process_group: the ``torch.distributed`` group (or 1-D DeviceMesh) 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, backend="auto",
-                         process_group, vocab_start=None, vocab_size=None) -> torch.Tensor:
+                         skip_threshold=None, vocab_order="none", workspace_bytes=None, process_group,
+                         vocab_start=None, vocab_size=None) -> torch.Tensor:
     """Vocabulary-parallel :func:`logitless.linear_cross_entropy`: the same loss as on one device over the
     concatenated shards, returned identically on every rank of ``process_group``.
 
     Args:
-        (as :func:`logitless.linear_cross_entropy`; the class ``weight`` is this rank's (V_r,) shard), and
+        (as :func:`logitless.linear_cross_entropy`; the class ``weight`` and a ``vocab_order`` tensor of counts are
+        this rank's (V_r,) shards), and
         {pg}
 
     Returns:
@@ -540,20 +385,26 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
+    _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, vocab_order, None, None)
     group, x, w, b, cw, lead, layout, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size, weight)
-    impl = _local_impl(backend, x, "linear_cross_entropy")
-    cw = None if cw is None else cw.to(reference._acc(x.dtype))
-    per_token, w_t = _VocabParallelCrossEntropy.apply(
-        x, w, b, t_local, valid, cw, layout.vocab, group, impl, float(label_smoothing), float(z_loss),
-        None if softcap is None else float(softcap),
-    )
-    return reference.reduce_loss(per_token, valid, w_t, reduction, lead)
+    _validate.check_skip_options(skip_threshold, vocab_order, w.shape[0], x.device)  # a tensor: the shard's counts
+    chosen = head.choose_backend(backend, x, "linear_cross_entropy")
+    cw = None if cw is None else cw.to(torch_backend.acc_dtype(x.dtype))
+    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
+    skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
+    st, w_t, w_sum = _global_stats(x, w, b, t_local, cw, softcap, 1.0, label_smoothing > 0.0, False, group=group,
+                                   backend=chosen, skip=skip, workspace_bytes=workspace_bytes)
+    w_t = valid.to(st.m.dtype) if w_t is None else torch.where(valid, w_t, 0.0)
+    per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum,
+                                             label_smoothing, z_loss, layout.vocab)
+    return loss_math.reduce_loss(per_token, valid, w_t, reduction, lead)
 
 
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
-                     ignore_index=-100, return_entropy=False, backend="auto", process_group, vocab_start=None,
-                     vocab_size=None):
+                     ignore_index=-100, return_entropy=False, backend="auto", skip_threshold=None,
+                     workspace_bytes=None, process_group, vocab_start=None, vocab_size=None):
     """Vocabulary-parallel :func:`logitless.linear_log_probs`: per-token log-probs (and entropy) of the full
     vocabulary, identical on every rank.
 
@@ -568,20 +419,21 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
+    _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, "none", None, None)
     group, x, w, b, _, lead, _, valid, t_local = _prepare(
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size)
-    impl = _local_impl(backend, x, "linear_log_probs")
-    logp, ent = _VocabParallelLogProbs.apply(
-        x, w, b, t_local, valid, group, impl, None if softcap is None else float(softcap), 1.0 / float(temperature),
-        bool(return_entropy),
-    )
-    if return_entropy:
-        return logp.reshape(lead), ent.reshape(lead)
-    return logp.reshape(lead)
+    chosen = head.choose_backend(backend, x, "linear_log_probs")
+    # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
+    skip = head.Skip(skip_threshold, "none", bounded=not return_entropy)
+    st, _, _ = _global_stats(x, w, b, t_local, None, softcap, 1.0 / float(temperature), False, bool(return_entropy),
+                             group=group, backend=chosen, skip=skip, workspace_bytes=workspace_bytes)
+    logp, ent = loss_math.log_probs_from_stats(st, valid)
+    return (logp.reshape(lead), ent.reshape(lead)) if return_entropy else logp.reshape(lead)
 
 
 def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0, backend="auto",
-                     process_group, vocab_start=None, vocab_size=None) -> torch.Tensor:
+                     workspace_bytes=None, process_group, vocab_start=None, vocab_size=None) -> torch.Tensor:
     """Vocabulary-parallel :func:`logitless.linear_logsumexp`: the per-row log-partition function over the whole
     vocabulary, float32, identical on every rank.
 
@@ -590,12 +442,13 @@ def linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, te
         {pg}
     """
     _validate.check_options(softcap=softcap, temperature=temperature)
+    _validate.check_workspace(workspace_bytes)
     group, x, w, b, _, lead, _, _, _ = _prepare(
         input, linear_weight, linear_bias, None, -100, process_group, vocab_start, vocab_size)
-    impl = _local_impl(backend, x, "linear_logsumexp")
-    lse = _VocabParallelLogSumExp.apply(x, w, b, group, impl, None if softcap is None else float(softcap),
-                                        1.0 / float(temperature))
-    return lse.reshape(lead)
+    chosen = head.choose_backend(backend, x, "linear_logsumexp")
+    st, _, _ = _global_stats(x, w, b, None, None, softcap, 1.0 / float(temperature), False, False, group=group,
+                             backend=chosen, skip=head.NO_SKIP, workspace_bytes=workspace_bytes)
+    return (st.m + st.logs).reshape(lead)
 
 
 for _f in (linear_cross_entropy, linear_log_probs, linear_logsumexp):

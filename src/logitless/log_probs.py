@@ -1,4 +1,8 @@
-"""linear_log_probs and linear_logsumexp: per-token scores of a linear head without materialising its logits."""
+"""linear_log_probs and linear_logsumexp: per-token scores of a linear head without materialising its logits.
+
+Both follow linear_cross_entropy's steps: validation -> the backend (head.choose_backend) -> the head op's per-row
+statistics (head.stats) -> the scores written on them (loss_math); with ``process_group``, distributed.py.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import _validate, reference
-from ._dispatch import resolve_backend
-from .linear_cross_entropy import check_kernel_dtype, check_skip_options, check_workspace, head_stats, skip_setup
+from . import _validate, distributed, head, loss_math, torch_backend
 
 
 @overload
@@ -65,29 +67,31 @@ def linear_log_probs(
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
     if process_group is not None:
-        from . import distributed
-
         return distributed.linear_log_probs(
             input, linear_weight, target, linear_bias=linear_bias, softcap=softcap, temperature=temperature,
-            ignore_index=ignore_index, return_entropy=return_entropy, backend=backend, process_group=process_group,
+            ignore_index=ignore_index, return_entropy=return_entropy, backend=backend, skip_threshold=skip_threshold,
+            workspace_bytes=workspace_bytes, process_group=process_group,
         )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
-    check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
-    check_workspace(workspace_bytes)
-    chosen = resolve_backend(backend, input.device, "linear_log_probs")
-    # One class: closed forms on the PyTorch path (reference.one_class_logits), on either backend.
-    if chosen == "triton" and check_kernel_dtype(args.x, backend) and linear_weight.shape[0] > 1:
-        # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
-        skip = skip_setup(args, skip_threshold, "none", ignore_index, bounded=not return_entropy)
-        m, logs, zt, _, ent = head_stats(args, None, softcap, 1.0 / float(temperature), False, return_entropy, *skip,
-                                         workspace_bytes=workspace_bytes)
-        valid = args.target != ignore_index
-        logp = torch.where(valid, (zt - m) - logs, 0.0).reshape(args.lead_shape)
-        if return_entropy:
-            return logp, torch.where(valid, ent, 0.0).reshape(args.lead_shape)
-        return logp
-    return reference.log_probs_torch(args, ignore_index, softcap, temperature, return_entropy)
+    _validate.check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
+    _validate.check_workspace(workspace_bytes)
+    chosen = head.choose_backend(backend, args.x, "linear_log_probs")
+    valid = args.target != ignore_index
+    if linear_weight.shape[0] == 1:
+        # One class: log 1 = 0 and no entropy, exactly (torch_backend.one_class_logits), on either backend.
+        z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0 / float(temperature))
+        logp = torch.where(valid, z * 0.0, 0.0).reshape(args.lead_shape)
+        return (logp, logp.clone()) if return_entropy else logp
+    # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
+    skip = head.Skip(skip_threshold, "none", bounded=not return_entropy)
+    st = head.stats(args.x, args.weight, args.bias, args.target, None, softcap, 1.0 / float(temperature), False,
+                    bool(return_entropy), backend=chosen, skip=skip, ignore_index=ignore_index,
+                    workspace_bytes=workspace_bytes)
+    logp, ent = loss_math.log_probs_from_stats(st, valid)
+    if return_entropy:
+        return logp.reshape(args.lead_shape), ent.reshape(args.lead_shape)
+    return logp.reshape(args.lead_shape)
 
 
 def linear_logsumexp(
@@ -106,16 +110,17 @@ def linear_logsumexp(
     in :func:`logitless.linear_cross_entropy`."""
     _validate.check_no_transform("linear_logsumexp")
     if process_group is not None:
-        from . import distributed
-
         return distributed.linear_logsumexp(input, linear_weight, linear_bias=linear_bias, softcap=softcap,
-                                            temperature=temperature, backend=backend, process_group=process_group)
+                                            temperature=temperature, backend=backend,
+                                            workspace_bytes=workspace_bytes, process_group=process_group)
     _validate.check_options(softcap=softcap, temperature=temperature)
     args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
-    check_workspace(workspace_bytes)
-    chosen = resolve_backend(backend, input.device, "linear_logsumexp")
-    if chosen == "triton" and check_kernel_dtype(args.x, backend) and linear_weight.shape[0] > 1:
-        m, logs = head_stats(args, None, softcap, 1.0 / float(temperature), False, False,
-                             workspace_bytes=workspace_bytes)[:2]
-        return (m + logs).reshape(args.lead_shape)
-    return reference.logsumexp_torch(args, softcap, temperature)
+    _validate.check_workspace(workspace_bytes)
+    chosen = head.choose_backend(backend, args.x, "linear_logsumexp")
+    inv_temp = 1.0 / float(temperature)
+    if linear_weight.shape[0] == 1:  # one class: lse = z, exactly
+        z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, inv_temp)
+        return z.reshape(args.lead_shape)
+    st = head.stats(args.x, args.weight, args.bias, None, None, softcap, inv_temp, False, False, backend=chosen,
+                    workspace_bytes=workspace_bytes)
+    return (st.m + st.logs).reshape(args.lead_shape)

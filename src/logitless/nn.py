@@ -6,7 +6,8 @@ import torch
 
 from . import _validate
 from .cross_entropy import cross_entropy
-from .linear_cross_entropy import linear_cross_entropy, running_class_counts
+from .head import running_class_counts
+from .linear_cross_entropy import linear_cross_entropy
 
 
 class _LossOptions(torch.nn.Module):

@@ -4,7 +4,7 @@ For the value and every gradient, with the float64 result of PyTorch's own ops a
 
     err(provider) <= 2 * err(PyTorch in the benchmark dtype) + 1e-6,   err(a) = ||a - truth|| / ||truth||
 
-"PyTorch in the benchmark dtype" is the same composition of PyTorch ops (reference.naive_*) run on the inputs in
+"PyTorch in the benchmark dtype" is the same composition of PyTorch ops (testing.naive_*) run on the inputs in
 the benchmark dtype without upcasting. This is the rule of the test suite, restated here because the benchmark
 must not import the tests. A provider that breaks it is reported as failing, with its errors, and is not timed.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
+from .. import testing
 from .cases import Inputs
 
 FACTOR = 2.0
@@ -66,14 +66,14 @@ def rule_line(name: str, ours, theirs, truth, failures: list) -> str:
 
 def _naive(job: str, upcast: bool):
     if job == "train":
-        return lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t, upcast=upcast)
+        return lambda x, w, t: testing.naive_linear_cross_entropy(x, w, t, upcast=upcast)
     if job == "logprobs":
-        return lambda x, w, t: reference.naive_linear_log_probs(x, w, t, upcast=upcast)
+        return lambda x, w, t: testing.naive_linear_log_probs(x, w, t, upcast=upcast)
     if job == "distill":
-        from ..distill import naive_two_heads
+        from ..testing import naive_two_heads
 
         return lambda x, w, xt, wt, t: naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
-    return lambda logits, t: reference.naive_cross_entropy(logits, t, upcast=upcast)
+    return lambda logits, t: testing.naive_cross_entropy(logits, t, upcast=upcast)
 
 
 def evaluate(job: str, fn, inp: Inputs, *, grad: bool, cast=None):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import reference
+from .. import testing
 from .cases import JOB_OP, Inputs
 
 
@@ -182,15 +182,15 @@ def _logitless_workspace() -> Provider:
 
 
 _EAGER = {
-    "train": lambda x, w, t: reference.naive_linear_cross_entropy(x, w, t),
-    "logprobs": lambda x, w, t: reference.naive_linear_log_probs(x, w, t),
-    "ce": lambda logits, t: reference.naive_cross_entropy(logits, t),
+    "train": lambda x, w, t: testing.naive_linear_cross_entropy(x, w, t),
+    "logprobs": lambda x, w, t: testing.naive_linear_log_probs(x, w, t),
+    "ce": lambda logits, t: testing.naive_cross_entropy(logits, t),
     "distill": lambda x, w, xt, wt, t: _naive_jsd(x, w, xt, wt, t),
 }
 
 
 def _naive_jsd(x, w, xt, wt, t, upcast=True):
-    from ..distill import naive_two_heads
+    from ..testing import naive_two_heads
 
     return naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
 

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .. import _dispatch
-from ..reference import default_workspace_bytes
+from ..loss_math import default_workspace_bytes
 from ._common import LOG2E, cdiv, cuda_facts
 
 try:  # Triton >= 3.4

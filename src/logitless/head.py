@@ -1,0 +1,117 @@
+"""The head op: one contract, the backends behind it.
+
+``stats(...)`` returns the per-row statistics of a linear head (loss_math.Stats: row max, log-sum-exp, target
+logit, smoothing sum, entropy), differentiable with respect to the input, the weight and the bias; its backward is
+the one generic backward of loss_math's contract, whichever backend computes it:
+
+- "triton": the kernels, through the torch.library ops of triton_backend.py (also what torch.compile sees);
+- "torch":  the chunked PyTorch backend, torch_backend.py (CPU tensors, float64, backend="torch", an empty head).
+
+The public ops (linear_cross_entropy.py, log_probs.py) and the vocabulary-parallel path (distributed.py, which
+exchanges the statistics of each rank's shard) write their losses on these statistics with loss_math, so every
+path shares the loss code and every option of the backward: ``workspace_bytes`` (the memory the Triton backward may
+take; the PyTorch backend sizes its blocks by the default policy and ignores it), ``skip_threshold`` /
+``vocab_order`` (cold tiles the Triton backward may skip; the PyTorch backend computes every block), and the stash
+(the Triton forward keeps logits for the backward where the weight gradient's buffer has room).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _validate, torch_backend, triton_backend
+from ._dispatch import resolve_backend
+from .loss_math import Stats
+
+__all__ = ["DEFAULT_SKIP_THRESHOLD", "HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_counts",
+           "running_class_counts", "stats"]
+
+# The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
+# PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
+HALF_SKIP_THRESHOLD = 2.0**-12
+# What skip_threshold=None means: no skipping, for every dtype. Measured on an H200 (docs/kernels.md): on the
+# benchmark's LM-like data at most 0.6% of the (token block x tile) pairs are cold at HALF_SKIP_THRESHOLD, while the
+# bookkeeping costs up to 10% of fwd+bwd (15-22% with the batch vocabulary order), so skipping is opt-in.
+DEFAULT_SKIP_THRESHOLD = 0.0
+
+
+class Skip(NamedTuple):
+    """What the backward may skip: at most `threshold` of each row's probability mass (None or 0: nothing), with the
+    vocabulary ordered by `vocab_order` ("none", "batch": this batch's target counts, or a (V,) tensor of counts);
+    `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped then)."""
+
+    threshold: float | None = None
+    vocab_order: str | torch.Tensor = "none"
+    bounded: bool = True
+
+
+NO_SKIP = Skip()
+
+
+def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
+    """"triton" or "torch" for running `op` on x: _dispatch's choice, and float64 (which has no kernels) on the
+    PyTorch path under "auto" (a TypeError for an explicit backend="triton")."""
+    chosen = resolve_backend(backend, x.device, op)
+    if chosen == "triton" and not _validate.check_kernel_dtype(x, backend):
+        return "torch"
+    return chosen
+
+
+def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, backend: str,
+          skip: Skip = NO_SKIP, ignore_index: int = -100, workspace_bytes: int | None = None) -> Stats:
+    """The statistics of the head softcap(x W^T + b) * inv_temp on validated (N, D) / (V, D) inputs, through
+    `backend` (choose_backend). target: (N,) int64 class ids or None (zt); a target outside [0, V) (ignored, or in
+    another shard) has zt = 0. class_weight: (V,) or None, the w_j of sw. want_smooth / want_entropy: sw / ent
+    (None otherwise). skip and workspace_bytes shape the Triton backward (see the module docstring); ignore_index
+    only keeps ignored targets out of the "batch" vocabulary order."""
+    if backend == "triton" and weight.shape[0] > 0:
+        perm, want_tiles, tau = _skip_plan(x, weight, bias, target, skip, ignore_index, workspace_bytes)
+        return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
+                                    want_entropy, perm=perm, want_tiles=want_tiles, skip_threshold=tau,
+                                    workspace_bytes=workspace_bytes)
+    return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy)
+
+
+def _skip_plan(x, w, b, target, skip: Skip, ignore_index, workspace_bytes):
+    """(perm, want_tiles, threshold) for the Triton backend: tiles are recorded, and the vocabulary ordered, only
+    when the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
+    probability mass bounds, tiles that allow it). The order depends on the backward's workspace_bytes."""
+    tau = DEFAULT_SKIP_THRESHOLD if skip.threshold is None else float(skip.threshold)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
+    lh = triton_backend.kernels()
+    if not (tau > 0.0 and grads and skip.bounded and x.shape[0] > 0 and lh.skip_supported(x)):
+        return None, False, 0.0
+    perm = None
+    if isinstance(skip.vocab_order, torch.Tensor):
+        perm = lh.vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
+    elif skip.vocab_order == "batch" and target is not None:
+        perm = lh.vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
+    return perm, True, tau
+
+
+def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """(V,) float32 count of each class among the non-ignored targets, on the targets' device, without a host sync
+    (no bincount: its output size would need one)."""
+    t = target.reshape(-1)
+    valid = (t != ignore_index) & (t >= 0) & (t < num_classes)
+    idx = torch.where(valid, t, num_classes)
+    counts = torch.zeros(num_classes + 1, device=t.device, dtype=torch.float32)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))[:num_classes]
+
+
+# Per-step decay of LinearCrossEntropyLoss's running class counts (vocab_order="running"): about 100 steps of memory.
+RUNNING_DECAY = 0.99
+
+
+def running_class_counts(counts, target: torch.Tensor, num_classes: int, ignore_index: int, update: bool = True):
+    """counts * RUNNING_DECAY + this batch's class counts, in place and on the device (no host sync); a new (V,)
+    float32 tensor of the batch's counts when counts is None or of another size or device. update=False returns
+    the counts unchanged (evaluation)."""
+    if counts is None or counts.shape != (num_classes,) or counts.device != target.device:
+        return class_counts(target, num_classes, ignore_index)
+    if update:
+        with torch.no_grad():
+            counts.mul_(RUNNING_DECAY).add_(class_counts(target, num_classes, ignore_index))
+    return counts

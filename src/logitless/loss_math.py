@@ -1,0 +1,142 @@
+"""The loss math every path shares: the head's per-row statistics, the losses written on them, the per-row
+coefficients of the one gradient form, the reduction, and the memory policy.
+
+The contract of the head op (logitless.head), for one row (token) i with logits z_j = softcap(x_i . W_j + b_j) / T:
+
+  Stats(m, logs, zt, sw, ent):  m the row max, logs = log sum_j exp(z_j - m) (lse = m + logs), zt = z_t the target's
+  logit (0 where the target is outside [0, V)), sw = sum_j w_j (z_j - m) (w_j the class weights, or 1), ent the
+  entropy of softmax(z); each (N,) in the accumulation dtype (float32; float64 for float64 inputs).
+
+m and logs are kept apart because z_j - m is exact while a rounded float32 lse of a logit near 1e4 is off by ~1e-3.
+Every loss is a PyTorch expression of these statistics (below), so autograd turns the upstream gradients into
+gradients of the statistics, and head_coefficients turns those into the per-row (A, B, C, E) of
+
+  dL/dz_j = p_j (A_i + B_i (z_j - m)) - C_i [j == t_i] - E_i w_j,     p_j = exp((z_j - m) - logs)
+
+which one backward per backend computes (docs/math.md derives it). B multiplies z_j - m, not z_j, and A is taken
+relative to m accordingly: the difference z_j - mu of the entropy gradient would otherwise cancel catastrophically
+at |z| ~ 1e4. For autograd the row max is a constant offset: every use of the statistics is invariant to shifting
+m (with logs and sw shifted to match), so its gradient is ignored and logs carries d lse/dz_j = p_j.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# The default memory policy of both backends (workspace_bytes=None): beyond O(N) (and the O(N D) float32
+# input-gradient accumulator), the work may take the larger of POLICY_MIN_BYTES and a tenth of the bytes that the
+# N x V logits would take in bf16 (N V / 5 bytes), whatever the dtype. A tenth is small next to the logits
+# (torch.compile's fwd+bwd holds about all of them) and covers the Triton backward's float32 accumulator of its own
+# (4 N D bytes, 2 D / V of the bf16 logits) plus the lean 8 MiB scratch at every shape of BENCHMARKS.md
+# (mistral-nemo needs the most, 7.8% + 0.4%), which removes its second pass (docs/kernels.md, the workspace):
+# 157-475 MiB there. Tests shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
+POLICY_MIN_BYTES = 16 << 20
+POLICY_LOGITS_DIVISOR = 10
+
+
+def default_workspace_bytes(n: int, V: int) -> int:
+    """The default memory policy: bytes the work of a head of n tokens and V classes may take beyond O(n), the
+    larger of POLICY_MIN_BYTES (16 MiB) and a tenth of n x V bf16 logits (n V / 5 bytes)."""
+    return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
+
+
+class Stats(NamedTuple):
+    """Per-row statistics of a head (see the module docstring); None where not asked for."""
+
+    m: torch.Tensor
+    logs: torch.Tensor
+    zt: torch.Tensor | None
+    sw: torch.Tensor | None
+    ent: torch.Tensor | None
+
+
+def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
+    """Per-row (A, B, C, E) of dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j from the upstream gradients of the
+    statistics (None where a statistic has none): d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t],
+    d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous."""
+    acc = logs.dtype
+    A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
+    B = C = E = None
+    if g_ent is not None:
+        g_ent = g_ent.to(acc)
+        A = A + g_ent * (logs - ent)  # relative to the row max: the backward multiplies B by z - m
+        B = (-g_ent).contiguous()
+    if g_zt is not None:
+        C = (-g_zt.to(acc)).contiguous()
+    if g_sw is not None:
+        E = (-g_sw.to(acc)).contiguous()
+    return A, B, C, E
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cross-entropy
+
+
+def ce_row_terms(target, class_w, ignore_index, label_smoothing, V, dtype=torch.float32):
+    """Per-row (valid mask, target class weight as `dtype`, 0 where ignored) and the sum of class weights."""
+    valid = target != ignore_index
+    if class_w is None:
+        w_t = valid.to(dtype)
+        w_sum = float(V)
+    else:
+        cw = class_w.to(dtype)
+        w_t = cw[torch.where(valid, target, 0)] * valid
+        w_sum = cw.sum()
+    return valid, w_t, w_sum
+
+
+def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V):
+    """Per-token loss (0 at ignored rows) from the per-row statistics (lse = m + logs); sw = sum_j w_j (z_j - ref)
+    (ref = m for the head op's statistics)."""
+    # (Each op here is a launch and an autograd node on the host: none is spent on a factor of exactly 1.)
+    eps = float(label_smoothing)
+    if eps > 0.0:
+        # sum_j w_j (lse - z_j) = W (lse - ref) - sum_j w_j (z_j - ref)
+        loss = (1.0 - eps) * w_t * ((m - zt) + logs) + (eps / V) * (w_sum * ((m - ref) + logs) - sw)
+    else:
+        loss = w_t * ((m - zt) + logs)
+    if z_loss > 0.0:
+        lse = m + logs
+        loss = loss + z_loss * lse * lse
+    return torch.where(valid, loss, 0.0)
+
+
+def ce_backward_coef(grad, lse, valid, w_t, w_sum, label_smoothing, z_loss, V):
+    """(A, C, E, X) of the cross-entropy's gradient for the upstream `grad`, in the form that cross_entropy on
+    given logits computes (its backends write dL/dz without the statistics' autograd): every column is
+    p_j A - E w_j, the target's p_t X + (p_t - 1) C with C standing for C + E w_t and X = E (W - w_t) +
+    2 g z_loss lse computed apart (W = w_sum): where p_t rounds to 1 (a confident row), p_t A - C - E w_t would lose
+    the z-loss term in the cancellation."""
+    eps = float(label_smoothing)
+    g = torch.where(valid, grad.to(lse.dtype), torch.zeros_like(lse))
+    C = g * (1.0 - eps) * w_t
+    A = C + g * (eps / V) * w_sum
+    X = g * (eps / V) * (w_sum - w_t)
+    if z_loss > 0.0:
+        zl = g * (2.0 * z_loss) * lse
+        A = A + zl
+        X = X + zl
+    E = g * (eps / V) if eps > 0.0 else None
+    return A, (C if E is None else C + E * w_t), E, X
+
+
+def reduce_loss(per_token, valid, w_t, reduction, lead_shape):
+    """Apply the reduction the way F.cross_entropy does (mean divides by the summed target weights)."""
+    if reduction == "none":
+        return per_token.reshape(lead_shape)
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / w_t.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Log-probabilities
+
+
+def log_probs_from_stats(st: Stats, valid):
+    """(log p of the target, entropy or None), each 0 at ignored rows."""
+    logp = torch.where(valid, (st.zt - st.m) - st.logs, 0.0)
+    return logp, (None if st.ent is None else torch.where(valid, st.ent, 0.0))

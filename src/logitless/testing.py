@@ -1,0 +1,120 @@
+"""Naive oracles: every op written as a composition of PyTorch's own ops on materialised logits.
+
+Tests run them in float64 as ground truth and in the input dtype as "PyTorch's own error" (the error rule: ours
+<= 2 x PyTorch's + tiny); the benchmark uses them as the eager peer and as its correctness gate. They build the
+N x V logits, so they are neither a fallback nor a backend, and nothing in the library imports them. They share
+no code with the library either: an oracle that called the code under test could not catch its mistakes.
+
+Each takes the keyword arguments of the public function it mirrors, plus ``upcast``: compute in float32 (or the
+input's dtype, if wider) instead of bfloat16/float16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["naive_cross_entropy", "naive_linear_cross_entropy", "naive_linear_log_probs", "naive_linear_logsumexp",
+           "naive_two_heads"]
+
+
+def _tanh_truth(u: torch.Tensor) -> torch.Tensor:
+    """tanh whose autograd derivative stays accurate where tanh saturates, for the float64 truth: PyTorch's
+    backward, 1 - tanh(u)^2, is exactly 0 in float64 past |u| ~ 19, where the true slope (4e-24 at |u| = 27) is
+    what a float32 kernel still resolves. sign(u) (1 - 2 sigmoid(-2|u|)) differentiates to 4 s (1 - s) with
+    s = sigmoid(-2|u|) small and exact; torch.tanh below |u| = 1/2, where its backward does not cancel."""
+    a = u.abs()
+    far = torch.sign(u) * (1.0 - 2.0 * torch.sigmoid(-2.0 * a))
+    return torch.where(a < 0.5, torch.tanh(u), far)
+
+
+def _softcap(z: torch.Tensor, softcap) -> torch.Tensor:
+    """softcap tanh(z / softcap) as PyTorch computes it; in float64 (the truth) accurately differentiable where
+    tanh saturates (_tanh_truth)."""
+    if softcap is None:
+        return z
+    tanh = _tanh_truth if z.dtype == torch.float64 else torch.tanh
+    return softcap * tanh(z / softcap)
+
+
+def _upcast(z: torch.Tensor, upcast: bool) -> torch.Tensor:
+    return z.float() if upcast and z.dtype in (torch.bfloat16, torch.float16) else z
+
+
+def naive_cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                        z_loss=0.0, softcap=None, upcast=True):
+    """F.cross_entropy plus the z-loss on the (softcapped) logits."""
+    logits = _softcap(_upcast(logits, upcast), softcap)
+    V = logits.shape[-1]
+    z = logits.reshape(-1, V)
+    t = target.reshape(-1).long()
+    w = None if weight is None else weight.to(z.dtype)
+    per = F.cross_entropy(z, t, weight=w, reduction="none", ignore_index=ignore_index,
+                          label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    if z_loss > 0.0:
+        lse = torch.logsumexp(z, dim=-1)
+        per = per + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return per.reshape(target.shape)
+    if reduction == "sum":
+        return per.sum()
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    denom = valid.to(z.dtype).sum() if w is None else (w[safe_t] * valid).sum()
+    return per.sum() / denom
+
+
+def naive_linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, upcast=True):
+    z = F.linear(input, linear_weight, linear_bias)
+    return naive_cross_entropy(z, target, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, upcast=upcast)
+
+
+def naive_linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
+                           ignore_index=-100, return_entropy=False, upcast=True):
+    z = _softcap(_upcast(F.linear(input, linear_weight, linear_bias), upcast), softcap)
+    logp_all = torch.log_softmax(z / temperature, dim=-1)
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target)).long()
+    logp = logp_all.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, torch.where(valid, ent, torch.zeros_like(ent))
+
+
+def naive_linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=None, temperature=1.0, upcast=True):
+    z = _softcap(_upcast(F.linear(input, linear_weight, linear_bias), upcast), softcap)
+    return torch.logsumexp(z / temperature, dim=-1)
+
+
+def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
+                    target=None, ignore_index=-100, temperature=1.0, reduction="mean", student_bias=None,
+                    teacher_bias=None, softcap=None, upcast=True):
+    """The losses of logitless.distill by `kind` ("fkl", "rkl", "ce", "jsd" with `beta`); the teacher is detached."""
+    zs = _upcast(F.linear(student_input, student_weight, student_bias), upcast)
+    zt = _upcast(F.linear(teacher_input, teacher_weight, teacher_bias), upcast).detach()
+    ls = torch.log_softmax(_softcap(zs, softcap) / temperature, dim=-1)
+    lt = torch.log_softmax(_softcap(zt, softcap) / temperature, dim=-1)
+    if kind == "fkl" or (kind == "jsd" and beta == 0.0):
+        per = (lt.exp() * (lt - ls)).sum(-1)
+    elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
+        per = (ls.exp() * (ls - lt)).sum(-1)
+    elif kind == "ce":
+        per = -(lt.exp() * ls).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    valid = None
+    if target is not None:
+        valid = target if target.dtype == torch.bool else target != ignore_index
+        per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    return per.sum() / (valid.sum() if valid is not None else per.numel())

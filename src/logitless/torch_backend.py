@@ -1,0 +1,438 @@
+"""The chunked PyTorch backend: the head op's statistics and its generic backward on blocks, never N x V.
+
+The backend of the head op (logitless.head) wherever Triton cannot run: CPU tensors, float64, backend="torch".
+Tokens are processed in chunks of rows and the vocabulary in chunks of columns (a block sized by the memory policy,
+loss_math.default_workspace_bytes), with an online log-sum-exp in the forward (_RowStats) and a backward that
+recomputes each block's logits and turns them into dL/dz in place. All math is float32 whatever the input dtype
+(float64 for float64 inputs). The contract (the statistics, the coefficients) is loss_math's.
+
+Also here: the PyTorch backend of cross_entropy on given logits (same statistics, its own backward), the closed
+forms of a one-class head, and the block helpers that the two-head losses (distill.py) share.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._autograd import first_order_only
+from .loss_math import (
+    Stats,
+    ce_backward_coef,
+    ce_loss_from_stats,
+    ce_row_terms,
+    default_workspace_bytes,
+    head_coefficients,
+    reduce_loss,
+)
+
+# This path's (token chunk x vocab chunk) float32 block takes half of the budget, or a third with the options that
+# need a temporary of the block's size (the softcap's chain factor in the backward, the entropy, smoothing).
+_BLOCK_SHARE = 2
+# Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
+_MIN_COLS = 1024
+# cross_entropy on given logits and the two-head losses walk chunks of this many classes...
+VOCAB_CHUNK = 4096
+# ... and of token_chunk(V) rows: blocks of at most this many elements.
+CHUNK_ELEMS = 1 << 20
+
+
+def _block(n: int, V: int, temporaries: bool = False) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one float32 block of this path: half of the policy's budget (a third
+    with `temporaries` of the block's size), all n tokens at once while that leaves at least _MIN_COLS classes (the
+    backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
+    elems = max(1, default_workspace_bytes(n, V) // (4 * (_BLOCK_SHARE + bool(temporaries))))
+    cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
+    return max(1, min(n, elems // max(cols, 1))), max(1, cols)
+
+
+def chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+def token_chunk(V: int) -> int:
+    return max(16, CHUNK_ELEMS // min(V, VOCAB_CHUNK))
+
+
+def acc_dtype(dtype) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs (which only the PyTorch path accepts)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def apply_softcap(z: torch.Tensor, softcap: float | None, *, inplace: bool = False) -> torch.Tensor:
+    """softcap * tanh(z / softcap), the logit cap of every PyTorch-side path (None: z unchanged). `inplace` writes
+    it over z (a block that owns its memory); otherwise a new, differentiable tensor."""
+    if softcap is None:
+        return z
+    if inplace:
+        return z.div_(softcap).tanh_().mul_(softcap)
+    return softcap * torch.tanh(z / softcap)
+
+
+def transform(raw: torch.Tensor, softcap: float | None, inv_temp: float) -> torch.Tensor:
+    """Raw float32 logits -> softcapped, temperature-scaled logits, in a new tensor (raw is kept for the chain
+    rule, chain_transform)."""
+    z = apply_softcap(raw.clone() if softcap is not None else raw, softcap, inplace=True)
+    return z * inv_temp if inv_temp != 1.0 else z
+
+
+def chain_transform(dz, raw, softcap, inv_temp):
+    """dL/dz (after softcap and temperature) -> dL/d(raw logits). `raw` is the logit block before the transform."""
+    if inv_temp != 1.0:
+        dz = dz * inv_temp
+    if softcap is not None:
+        dz = dz * softcap_slope(raw, softcap)
+    return dz
+
+
+def softcap_slope(raw, softcap):
+    """d(softcap tanh(u))/du at u = raw / softcap, as 4 s (1 - s) with s = sigmoid(-2 |u|) (= 1 / cosh(u)^2), in
+    one block-sized buffer. PyTorch's 1 - tanh(u)^2 cancels where tanh saturates (20-60x PyTorch's float32 error
+    there); this form has no cancellation (s <= 1/2) and stays within a few ulp everywhere."""
+    s = (raw / softcap).abs_().mul_(-2.0).sigmoid_()
+    return s.addcmul_(s, s, value=-1.0).mul_(4.0)
+
+
+
+def linear_chunk(x_c, w_c, b_c, softcap, inv_temp, out=None):
+    """float32 logits of a (token chunk, vocab chunk) block: [Cn, Cv], a new tensor (or `out`), transformed in
+    place."""
+    acc = acc_dtype(x_c.dtype)
+    z = torch.mm(x_c.to(acc), w_c.to(acc).T, out=out)
+    if b_c is not None:
+        z += b_c.to(acc)
+    apply_softcap(z, softcap, inplace=True)
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    return z
+
+
+class _RowStats:
+    """Online per-row statistics over vocabulary chunks: max, sum of exp, target logit, smoothing and entropy sums."""
+
+    def __init__(self, n, device, dtype, target, want_smooth, want_entropy):
+        f32 = dict(device=device, dtype=dtype)
+        self.m = torch.full((n,), -math.inf, **f32)
+        self.s = torch.zeros(n, **f32)
+        self.target = target  # a target outside [0, V) (ignored, or in another shard) has no target logit
+        self.zt = torch.zeros(n, **f32) if target is not None else None
+        # sum_j w_j (z_j - ref): taken relative to the first chunk's row max to avoid cancellation later.
+        self.ref = None
+        self.sw = torch.zeros(n, **f32) if want_smooth else None
+        # sum_j exp(z_j - m) (z_j - m), rescaled as m grows; gives the entropy without a second pass.
+        self.ent = torch.zeros(n, **f32) if want_entropy else None
+
+    def update(self, z, v0, v1, class_w_c):
+        """Folds the block z [rows, v1 - v0] in; z is used up (overwritten) unless it is a view of another tensor."""
+        m_c = z.amax(dim=1)
+        m_new = torch.maximum(self.m, m_c)
+        # Rows whose max is still -inf (empty so far) must not produce NaN from (-inf) - (-inf).
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = torch.exp(self.m - m_safe)
+        if self.target is not None:
+            t = self.target
+            inside = (t >= v0) & (t < v1)
+            idx = (t - v0).clamp(0, v1 - v0 - 1)
+            self.zt = self.zt + torch.where(inside, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(self.zt))
+        if self.sw is not None:
+            if self.ref is None:
+                self.ref = m_c
+            d = z - self.ref[:, None]
+            self.sw = self.sw + (d.sum(dim=1) if class_w_c is None else d @ class_w_c.to(d.dtype))
+            del d
+        # e = exp(z - m), in z's own memory when it owns it (a new block), else in a new one.
+        d = z.sub_(m_safe[:, None]) if z._base is None else z - m_safe[:, None]
+        if self.ent is not None:
+            # A class at -inf (a vocabulary masked by a -inf bias) has e = 0 and adds 0, not 0 * -inf.
+            e = torch.exp(d)
+            ed = e.mul_(d).nan_to_num_(nan=0.0)
+            shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+            self.ent = alpha * (self.ent + shift * self.s) + ed.sum(dim=1)
+            del e, ed
+        self.s = self.s * alpha + d.exp_().sum(dim=1)
+        self.m = m_new
+
+    def logs(self):
+        return torch.log(self.s)
+
+    def entropy(self):
+        # H = lse - sum p z = log s - sum exp(z - m)(z - m) / s
+        return torch.log(self.s) - self.ent / self.s
+
+
+def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy):
+    """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (_block: all
+    tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent), sw relative to
+    ref (the first block's row max)."""
+    f = dict(device=device, dtype=dtype)
+    m = torch.empty(n, **f)
+    logs = torch.empty(n, **f)
+    zt = torch.zeros(n, **f) if target is not None else None
+    sw = torch.zeros(n, **f) if want_smooth else None
+    ref = torch.zeros(n, **f) if want_smooth else None
+    ent = torch.zeros(n, **f) if want_entropy else None
+    rows, cols = _block(n, V, want_smooth or want_entropy)
+    for i0, i1 in chunks(n, rows):
+        t_c = target[i0:i1] if target is not None else None
+        st = _RowStats(i1 - i0, device, dtype, t_c, want_smooth, want_entropy)
+        for v0, v1 in chunks(V, cols):
+            st.update(chunk_fn(i0, i1, v0, v1), v0, v1, None if class_w is None else class_w[v0:v1])
+        m[i0:i1] = st.m
+        logs[i0:i1] = st.logs()
+        if zt is not None:
+            zt[i0:i1] = st.zt
+        if sw is not None:
+            sw[i0:i1] = st.sw
+            ref[i0:i1] = st.ref
+        if ent is not None:
+            ent[i0:i1] = st.entropy()
+    return m, logs, zt, sw, ref, ent
+
+
+def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy) -> Stats:
+    """The head op's statistics (loss_math.Stats; sw relative to m) of the logits softcap(x W^T + b) * inv_temp.
+    A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has m = logs = -inf."""
+    n, V = x.shape[0], w.shape[0]
+    acc = acc_dtype(x.dtype)
+    if V == 0:
+        neg_inf = torch.full((n,), -math.inf, device=x.device, dtype=acc)
+        zeros = (lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None)
+        return Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy))
+    chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
+                                                inv_temp)
+    m, logs, zt, sw, ref, ent = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth, want_entropy)
+    if sw is not None:
+        # Accumulated relative to the first block's row max (no cancellation while the max grows): re-based on m.
+        w_sum = class_w.sum() if class_w is not None else float(V)
+        sw = sw + w_sum * (ref - m)
+    return Stats(m, logs, zt, sw, ent)
+
+
+class _HeadStats(torch.autograd.Function):
+    """The head op on this backend: (x, W, b) -> Stats as five tensors (empty where not asked for); the backward
+    turns the statistics' upstream gradients into (A, B, C, E) (loss_math.head_coefficients) for head_backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
+        st = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
+        empty = st.m.new_empty(0)
+        out = tuple(empty.clone() if s is None else s for s in st)
+        ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4])
+        ctx.opts = (softcap, inv_temp, want_smooth, want_entropy)
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent):
+        x, w, b, target, class_w, m, logs, ent = ctx.saved_tensors
+        softcap, inv_temp, want_smooth, want_entropy = ctx.opts
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        coef = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
+                                 g_sw if want_smooth else None, g_ent if want_entropy else None)
+        dx, dw, db = head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy) -> Stats:
+    """The head op's statistics through this backend, differentiable with respect to x, w and b. It computes in
+    the inputs' dtypes (float32 math), as the Triton kernels do: autocast, which would run its blocks' products in
+    bfloat16, is off inside (the backward runs without it anyway). x may be wider than w (float32 hidden states of
+    a bfloat16 head): dx then comes back in x's dtype, before any rounding to w's."""
+    cw = None if class_w is None else class_w.to(acc_dtype(x.dtype))
+    with torch.autocast(x.device.type, enabled=False):
+        out = _HeadStats.apply(x, w, b, target, cw, softcap, inv_temp, bool(want_smooth), bool(want_entropy))
+    m, logs, zt, sw, ent = out
+    return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
+                 ent if want_entropy else None)
+
+
+def one_class_logits(x, w, b, softcap, inv_temp):
+    """(N,) logits of a head with a single class (V = 1), through differentiable PyTorch ops. With one class the
+    softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0 (only the
+    z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. N values: nothing to chunk."""
+    acc = acc_dtype(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        z = x.to(acc) @ w[0].to(acc)
+        if b is not None:
+            z = z + b[0].to(acc)
+        z = apply_softcap(z, softcap)
+        return z * inv_temp if inv_temp != 1.0 else z
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chunked generic backward
+
+def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs):
+    """The generic backward: (dx, dW, db) of a linear head for the per-row coefficients coef = (A, B, C, E) of
+    dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j (B, C, E may be None); needs = (dx, dW, db) wanted.
+    Vocab-outer, so each chunk of dW is accumulated in float32 and written once; dx is accumulated in float32 over
+    all vocabulary chunks. Each block's logits are recomputed into one preallocated buffer and turned into dL/dz
+    there, in place; the products accumulate into the gradients with addmm_ (into dW directly when all tokens fit in
+    one block). dx comes back in x's dtype."""
+    A, B, C, E = coef
+    n, D = x.shape
+    V = w.shape[0]
+    need_x, need_w, need_b = needs
+    acc = acc_dtype(x.dtype)
+    dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
+    dw = torch.empty_like(w) if need_w else None
+    db = torch.empty_like(b) if need_b else None
+    if n == 0 or V == 0:
+        if dw is not None:
+            dw.zero_()
+        if db is not None:
+            db.zero_()
+        return (dx.to(x.dtype) if need_x else None), dw, db
+    rows, cols = _block(n, V, B is not None or softcap is not None)
+    one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
+    buf = torch.empty(rows * cols, device=x.device, dtype=acc)
+    x_all = x.to(acc) if one_block else None
+    A2, B2, C2, E2 = (None if c is None else c[:, None] for c in (A, B, C, E))
+    m2, logs2 = m[:, None], logs[:, None]
+    # p A = exp(z - m) (A / S), S = exp(logs) (at most V): one pass fewer over each block than exp((z - m) - logs) A,
+    # and no rounding of (z - m) - logs inside the exponential.
+    a_s = (A * torch.exp(-logs))[:, None] if B is None else None
+    for v0, v1 in chunks(V, cols):
+        w_c = w[v0:v1].to(acc)
+        b_c = b[v0:v1] if b is not None else None
+        cw_c = class_w[v0:v1].to(acc) if class_w is not None else None
+        direct = need_w and one_block and dw.dtype == acc  # the chunk's dW rows written by one product
+        dw_c = None
+        if need_w:
+            dw_c = dw[v0:v1] if direct else torch.zeros(v1 - v0, D, device=x.device, dtype=acc)
+        db_c = torch.zeros(v1 - v0, device=x.device, dtype=acc) if need_b else None
+        for i0, i1 in chunks(n, rows):
+            x_c = x_all if one_block else x[i0:i1].to(acc)
+            sl = slice(i0, i1)
+            z = linear_chunk(x_c, w_c, b_c, None, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
+            chain = None
+            if softcap is not None:  # the chain factor from the raw logits, then the cap in place
+                chain = softcap_slope(z, softcap)
+                apply_softcap(z, softcap, inplace=True)
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            dz = _dz_block(z, m2[sl], logs2[sl], A2[sl] if a_s is None else a_s[sl], None if B2 is None else B2[sl],
+                           None if C2 is None else C2[sl], None if E2 is None else E2[sl],
+                           None if target is None else target[sl], v0, v1, cw_c)
+            del z
+            if inv_temp != 1.0:
+                dz.mul_(inv_temp)
+            if chain is not None:
+                dz.mul_(chain)
+                del chain
+            if need_x:
+                dx[sl].addmm_(dz, w_c)
+            if need_w:
+                if direct:
+                    torch.mm(dz.T, x_c, out=dw_c)
+                else:
+                    dw_c.addmm_(dz.T, x_c)
+            if need_b:
+                db_c += dz.sum(dim=0)
+        if need_w and not direct:
+            dw[v0:v1] = dw_c
+        if need_b:
+            db[v0:v1] = db_c
+    return (dx.to(x.dtype) if need_x else None), dw, db
+
+
+def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
+    """dL/dz = p (A + B (z - m)) - C [j == t] - E w for a block of (temperature-scaled) logits z, written over z
+    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs))."""
+    z.sub_(m2)  # z - m, exact
+    if B2 is not None:
+        g = z.mul(B2).add_(A2)  # A + B (z - m): B multiplies z - m, no cancellation at |z| ~ 1e4
+        dz = z.sub_(logs2).exp_()
+        zero = dz == 0  # p = 0 at z = -inf: 0, not 0 * inf
+        dz.mul_(g).masked_fill_(zero, 0.0)
+        del g, zero
+    else:
+        dz = z.exp_().mul_(A2)
+    if E2 is not None:
+        if class_w_c is not None:
+            dz.addcmul_(E2, class_w_c[None, :], value=-1.0)
+        else:
+            dz.sub_(E2)
+    if C2 is not None:
+        inside = (t_c >= v0) & (t_c < v1)
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)
+        dz.scatter_add_(1, idx[:, None], torch.where(inside[:, None], -C2, torch.zeros_like(C2)))
+    return dz
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cross_entropy on given logits
+
+
+def _dz_logits_chunk(z, m_c, logs_c, A_c, C_c, E_c, X_c, t_c, v0, v1, class_w_c):
+    """dL/dz of cross-entropy for one block of given logits (loss_math.ce_backward_coef): p A - E w, and at the
+    target's column p_t X + (p_t - 1) C."""
+    dz = torch.exp((z - m_c[:, None]) - logs_c[:, None]).mul_(A_c[:, None])
+    if E_c is not None:
+        dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
+    inside = (t_c >= v0) & (t_c < v1)
+    idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
+    p_t = torch.exp((z.gather(1, idx)[:, 0] - m_c) - logs_c)
+    d_t = p_t * X_c + (p_t - 1.0) * C_c
+    return dz.scatter_(1, idx, torch.where(inside, d_t, dz.gather(1, idx)[:, 0])[:, None])
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """(N, V) logits -> (per-token loss, lse). With `inplace`, the backward writes the gradient over the saved
+    logits chunk by chunk (each chunk is read before it is overwritten), so no second N x V buffer is allocated; it
+    can then run only once."""
+
+    @staticmethod
+    def forward(ctx, logits, target, class_w, ignore_index, label_smoothing, z_loss, softcap, inplace=False):
+        n, V = logits.shape
+        acc = acc_dtype(logits.dtype)
+        chunk = lambda i0, i1, v0, v1: transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
+        m, logs, zt, sw, ref, _ = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
+                                             label_smoothing > 0.0, False)
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
+        loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        lse = m + logs
+        ctx.save_for_backward(logits, target, class_w, m, logs)
+        ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.inplace = bool(inplace)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss, _grad_lse):
+        if ctx.inplace:
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
+                                   "logits by an earlier backward; it can run only once")
+            ctx.consumed = True
+        logits, target, class_w, m, logs = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, softcap = ctx.opts
+        n, V = logits.shape
+        valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
+        A, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        grad = logits if ctx.inplace else torch.empty_like(logits)
+        for i0, i1 in chunks(n, token_chunk(V)):
+            sl = slice(i0, i1)
+            for v0, v1 in chunks(V, VOCAB_CHUNK):
+                raw = logits[sl, v0:v1].to(m.dtype)
+                z = transform(raw, softcap, 1.0)
+                dz = _dz_logits_chunk(z, m[sl], logs[sl], A[sl], C[sl], None if E is None else E[sl], X[sl],
+                                      target[sl], v0, v1, None if class_w is None else class_w[v0:v1])
+                grad[sl, v0:v1] = chain_transform(dz, raw, softcap, 1.0)
+        return grad, None, None, None, None, None, None, None
+
+
+def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                  inplace_backward=False):
+    """cross_entropy on validated (N, V) logits through this backend: (reduced loss, lse of the lead shape)."""
+    class_w = None if weight is None else weight.to(acc_dtype(logits2d.dtype))
+    with torch.autocast(logits2d.device.type, enabled=False):
+        per_token, lse = _CrossEntropy.apply(logits2d, target, class_w, ignore_index, float(label_smoothing),
+                                             float(z_loss), None if softcap is None else float(softcap),
+                                             bool(inplace_backward))
+    valid, w_t, _ = ce_row_terms(target, class_w, ignore_index, label_smoothing, logits2d.shape[1], per_token.dtype)
+    return reduce_loss(per_token, valid, w_t, reduction, lead_shape), lse.reshape(lead_shape)
