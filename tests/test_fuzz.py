@@ -189,7 +189,7 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None):
     return out, scalar, leaves, names
 
 
-def _rule(name, ours, theirs, truth):
+def _rule(name, ours, theirs, truth, extra=0.0):
     """assert_within_rule, where an infinite truth matched exactly (a "mean" over class weights that sum to 0 with a
     z-loss is inf, as in PyTorch) counts as no error: inf - inf would make the relative error NaN."""
     t64 = truth.detach().double()
@@ -199,7 +199,7 @@ def _rule(name, ours, theirs, truth):
         assert torch.equal(o64[inf], t64[inf]), f"{name}: {o64[inf]} where the truth is {t64[inf]}"
         keep = ~inf
         ours, theirs, truth = o64[keep], torch.where(torch.isinf(p64), torch.nan, p64)[keep], t64[keep]
-    assert_within_rule(name, ours, theirs, truth)
+    assert_within_rule(name, ours, theirs, truth, tiny=1e-6 + extra)
 
 
 def run_case(case) -> None:
@@ -219,9 +219,15 @@ def run_case(case) -> None:
     gs = torch.autograd.grad(s, leaves)
     gs_t = torch.autograd.grad(s_t, leaves_t)
     gs_64 = torch.autograd.grad(s_64, leaves_64)
+    # cross_entropy(inplace_backward=True) on the Triton path writes the gradient in the forward and scales it by
+    # the upstream gradient in the backward: an upstream other than 1 rounds a half-precision gradient twice, one
+    # unit roundoff more than PyTorch's single rounding (documented with the option).
+    extra = 0.0
+    if case["op"] == "cross_entropy" and case["inplace"] and case["backend"] == "triton" and case["upstream"] != "one":
+        extra = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype, 0.0)
     for name, go, gt, g64, leaf in zip(names, gs, gs_t, gs_64, leaves, strict=True):
         assert go.dtype == leaf.dtype and go.shape == leaf.shape, name
-        _rule(name, go, gt, g64)
+        _rule(name, go, gt, g64, extra)
 
 
 def _check(case):
@@ -265,6 +271,11 @@ REGRESSIONS = [
     # a softcap saturated past float64's tanh: the truth's 1 - tanh^2 was exactly 0 where ours resolved 4e-24
     dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=1, v=2, d=1, scale=30.0, softcap=0.5,
          ignore_frac=0.0, reduction="mean", bias=False, upstream="one", seed=0),
+    # in place with a random upstream gradient: the documented second rounding (2.1x PyTorch's bf16 error)
+    {'op': 'cross_entropy', 'backend': 'triton', 'dtype': 'bfloat16', 'n': 2, 'v': 257, 'd': 1, 'lead': 'flat',
+     'layout': 'contiguous', 'scale': 4.0, 'seed': 51017, 'softcap': None, 'upstream': 'random', 'ignore_frac': 0.0,
+     'ignore_index': -100, 'int32': False, 'reduction': 'sum', 'label_smoothing': 0.1, 'z_loss': 0.0,
+     'class_weight': 'random', 'inplace': True},
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
