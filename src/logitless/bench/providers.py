@@ -155,7 +155,7 @@ def _logitless(backend: str) -> Provider:
 
 
 # The backward's memory-for-speed setting: the float32 dx accumulator in a buffer of its own (4 N D bytes) and a
-# 256 MiB scratch (workspace_bytes; notes/linear_head.md, v12).
+# 256 MiB scratch (workspace_bytes; docs/design/backward.md).
 WORKSPACE_EXTRA = 256 << 20
 
 
