@@ -1,9 +1,9 @@
 """Linear head kernels on a CUDA device: correctness against float64 and timing next to cuBLAS.
 
-    PYTHONPATH=src python scripts/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
+    PYTHONPATH=src python tools/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
         [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
-    PYTHONPATH=src python scripts/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
-    PYTHONPATH=src python scripts/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
+    PYTHONPATH=src python tools/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
+    PYTHONPATH=src python tools/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
 
 For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
 "uniform" = the head at initialisation), in bfloat16:

@@ -1,9 +1,9 @@
 """The backward's memory policy on a CUDA device: fwd+bwd time and peak extra memory of linear_cross_entropy per
 workspace setting, next to torch.compile and cuBLAS's products, every provider interleaved in one process.
 
-    PYTHONPATH=src python scripts/gpu_policy.py [--shapes gpt2,gemma2-2b,...|N,D,V] [--rounds 4] [--reps 3]
+    PYTHONPATH=src python tools/gpu_policy.py [--shapes gpt2,gemma2-2b,...|N,D,V] [--rounds 4] [--reps 3]
         [--kind lm] [--no-compile] [--json FILE]
-    PYTHONPATH=src python scripts/gpu_policy.py --smoke      # tiny shapes on the CPU (Triton interpreter): it runs
+    PYTHONPATH=src python tools/gpu_policy.py --smoke      # tiny shapes on the CPU (Triton interpreter): it runs
 
 Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
   lean     workspace_bytes=0: the leanest plan (8 MiB scratch, the dx accumulator in dW's last rows, second pass)

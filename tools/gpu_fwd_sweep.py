@@ -1,6 +1,6 @@
 """No-grad log-probs with other tiles or grid settings, interleaved with one cuBLAS product, on a CUDA device.
 
-    PYTHONPATH=src python scripts/gpu_fwd_sweep.py [--shapes gemma2-2b,llama3-8b,16384x4096x128256] [--rounds 6]
+    PYTHONPATH=src python tools/gpu_fwd_sweep.py [--shapes gemma2-2b,llama3-8b,16384x4096x128256] [--rounds 6]
         [--reps 3]
         --variant "" --variant "block_k=64" --variant "group=16" --variant "block_n=256,block_v=128"
 

@@ -1,7 +1,7 @@
 """Where the two-head losses' time goes on a GPU, and a sweep of their kernels' tiles.
 
-    python scripts/gpu_distill_tiles.py --shape 8192,2304,256000
-    python scripts/gpu_distill_tiles.py --fwd 128,128,64,8,3 128,256,64,16,3 --dz 128,128,64,8,3
+    python tools/gpu_distill_tiles.py --shape 8192,2304,256000
+    python tools/gpu_distill_tiles.py --fwd 128,128,64,8,3 128,256,64,16,3 --dz 128,128,64,8,3
 
 Prints, for bf16 lm-like heads (the student's and a related teacher's): one cuBLAS product of the shape (the rate a
 tile kernel can hope for), the single-head forward and backward kernels, a per-kernel profile of one fwd+bwd of the
