@@ -75,8 +75,8 @@ def test_torch_path_blocks(n, v, temporaries):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Triton path (the interpreter on the CPU), small shapes: SCRATCH_BYTES and the policy's floor shrunk so that the
-# lean plan (0), the policy (None) and a large budget differ as they do at the benchmark's shapes.
+# Triton path (the interpreter on the CPU), small shapes: Tuning.scratch_bytes and the policy's floor shrunk so that
+# the lean plan (0), the policy (None) and a large budget differ as they do at the benchmark's shapes.
 
 N, D, V = 37, 64, 300
 SCRATCH = N * 32 * 2  # bf16 dz of 32 classes

@@ -210,9 +210,9 @@ def test_logsumexp(softcap, temperature, bias, dtype):
     assert ours.shape == (1, 37)
 
 
-# Where the backward's workspaces live (kernels/linear_head.py, _plan): each case forces one arrangement with a small
-# SCRATCH_BYTES. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher[, the
-# caller's workspace_bytes])
+# Where the backward's workspaces live (kernels/linear_head/plans.py, _plan): each case forces one arrangement with a
+# small Tuning.scratch_bytes. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher[,
+# the caller's workspace_bytes])
 WORKSPACES = {
     # bf16, both gradients: dz of D classes in dx, dx accumulator in the last 2N rows of dW; the second pass puts
     # one chunk's dz into still-unwritten dW rows and the last into the scratch.

@@ -1,9 +1,9 @@
 """A/B timing of versions of the kernels on a CUDA device, interleaved so that all see the same clocks.
 
-    git archive REV src/logitless/kernels | tar -x -C /tmp/old       # another revision's kernels package
-    PYTHONPATH=src python tools/gpu_ab.py --old /tmp/old/src/logitless/kernels [--shapes gemma2-2b,...] [--rounds 6]
+    mkdir old && git archive REV src/logitless/kernels | tar -x -C old    # another revision's kernels package
+    PYTHONPATH=src python tools/gpu_ab.py --old old/src/logitless/kernels [--shapes gemma2-2b,...] [--rounds 6]
         [--reps 5] [--json FILE] [--set stash_logits=False ...] [--also OTHER_KERNELS_DIR ...] [--cases fwdbwd]
-    PYTHONPATH=src python tools/gpu_ab.py --kernels cross_entropy --old /tmp/old/src/logitless/kernels [--rounds 6]
+    PYTHONPATH=src python tools/gpu_ab.py --kernels cross_entropy --old old/src/logitless/kernels [--rounds 6]
 
 A version is a kernels package (the folder src/logitless/kernels of some revision) with a kernels.Tuning. "A" is the
 package given by --old, "B" the package's own; each --set adds a version C, D, ... of the package's own kernels with

@@ -592,15 +592,16 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
             lag = lag_bytes // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
     lagged = write_grad and not in_registers and lag is not None
     lag = max(K, min(lag, n_units)) if lagged else 0
+    # Absent operands (class weights, their sum, the scale, the split partials and counters) are None: constexprs
+    # that the kernel's flags keep unread.
     if split:
         nstat = 4 if label_smoothing > 0.0 else 2
         part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
     else:
-        part = loss  # not read
-    count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else loss  # else not read
+        part = None
+    count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else None
     _ce_fwd_kernel[(n_units + lag,)](
-        logits, target, class_w if class_w is not None else loss, w_sum if w_sum is not None else loss,
-        scale if scale is not None else loss,
+        logits, target, class_w, w_sum, scale,
         loss, lse, stats, part, count,
         N, V, K, n_units, lag, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
@@ -632,9 +633,7 @@ def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *
     cfg = config or _config(N, V, logits.device)
     grid = (cdiv(N, cfg.block_n), cdiv(V, cfg.block_v))
     _ce_bwd_kernel[grid](
-        grad if grad is not None else stats, logits, out, target,
-        class_w if class_w is not None else stats, w_sum if w_sum is not None else stats,
-        scale if scale is not None else stats, stats,
+        grad, logits, out, target, class_w, w_sum, scale, stats,
         N, V, logits.stride(0), out.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_GRAD=grad is not None,

@@ -12,11 +12,6 @@ from .configs import config_for, dot_flags, operands, tma_ok, use_tma
 from .forward_kernels import _combine_kernel, _fwd_kernel
 
 
-def _dummy(x: torch.Tensor) -> torch.Tensor:
-    # The pointer argument of an absent operand (its flag keeps the kernel from reading it).
-    return x.new_empty(1)
-
-
 def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
                   tile_lse=None, stash=None):
     """Per-row (m, logs, zt, sw, ent) float32 of the head (and tile_lse filled when given); see the package
@@ -38,15 +33,16 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     n_big, tiles_big, n_small, tiles_small = plans._fwd_layout(n_blocks, n_vtiles, sms, cfg.group, cfg.waves)
     n_splits = n_big + n_small
     has_target = target is not None
-    dummy = _dummy(x)
+    # Absent operands are None: Triton makes such an argument a constexpr, and the kernel's flag for it keeps the
+    # code that would read it out.
     # Partial statistics per split: m and s always, the others only where asked for.
     kept = [True, True, has_target, bool(want_smooth), bool(want_entropy)]
     part = new_buffer((sum(kept), n_splits, N), **f32)
-    part = [part[sum(kept[:i])] if k else dummy for i, k in enumerate(kept)]
+    part = [part[sum(kept[:i])] if k else None for i, k in enumerate(kept)]
     wsum = new_buffer(n_splits, **f32)
     tma = use_tma(cfg, x, w, perm)
     xo, wo = operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
-    zs = zo = dummy
+    zs = zo = None
     n_stash = 0
     stash_tma = False
     if stash is not None:
@@ -58,9 +54,8 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         if stash_tma:
             zs = configs.descriptor(zs, [cfg.block_v, cfg.block_n])
     _fwd_kernel[(n_blocks * n_splits,)](
-        xo, wo, b if b is not None else dummy, target if has_target else dummy,
-        class_w if class_w is not None else dummy, perm if perm is not None else dummy,
-        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse if tile_lse is not None else dummy, zs, zo,
+        xo, wo, b, target, class_w, perm,
+        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo,
         N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
@@ -156,7 +151,6 @@ class _Backward:
         self.ws = plans._workspace(N, V, D, x.element_size(), workspace_bytes,
                                    plans.acc_forced(x, dx is not None, dw is not None, N, V, D))
         self.plan = plans._plan(x, dx, dw, N, V, D, cfg, self.aligned, self.ws)
-        self.dummy = _dummy(x)
         self.f32 = dict(device=x.device, dtype=torch.float32)
         self.dot = dot_flags(x)
         self.n_blocks = cdiv(N, cfg.block_n)
@@ -170,7 +164,7 @@ class _Backward:
             if sink is not None:
                 sink.append(self.sp)
         self.lists = ((self.sp.list_n, self.sp.pre_n, self.sp.list_v, self.sp.pre_v) if self.skip
-                      else (self.dummy,) * 4)
+                      else (None,) * 4)
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
@@ -238,21 +232,19 @@ class _Backward:
     def dz_pass(self, v0, v1, dz, with_db, stashed=False):
         """dL/dz of classes [v0, v1) into dz (N, v1 - v0) (None: not stored, the bias gradient alone), and the bias
         gradient of the chunk. stashed: dz (column-major) is where the forward kept these logits."""
-        cfg, dummy, N = self.cfg, self.dummy, self.N
+        cfg, N = self.cfg, self.N
         assert not self.skip or v0 % cfg.block_v == 0
         store = dz is not None
         dbp = new_buffer((self.n_blocks, v1 - v0), **self.f32) if with_db else None
-        zs = zo = dummy
+        zs = zo = None
         if stashed:
             zs = self.stash_zs[v0: v1]
             zo = self.stash_zo[v0 // cfg.block_v:]
         b, target, class_w, B, C, E = self.b, self.target, self.class_w, self.B, self.C, self.E
         x, w = self.x, self.w
         bk._dz_kernel[(self.n_blocks * cdiv(v1 - v0, cfg.dz_block_v),)](
-            self.dz_x, self.dz_w, b if b is not None else dummy, target if target is not None else dummy,
-            class_w if class_w is not None else dummy, self.perm if self.has_perm else dummy, self.m, self.logs,
-            self.A, B if B is not None else dummy, C if C is not None else dummy, E if E is not None else dummy,
-            self.sp.hot if self.skip else dummy, dz if store else dummy, dbp if with_db else dummy, zs, zo,
+            self.dz_x, self.dz_w, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
+            self.sp.hot if self.skip else None, dz, dbp, zs, zo,
             N, self.D, v0, v1, self.n_vtiles,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
             dz.stride(1) if store else 1, dbp.stride(0) if with_db else 0,
@@ -272,7 +264,7 @@ class _Backward:
     def grad_pass(self, v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None):
         """dW rows [v0, v1) = dz^T x (do_dw) and dx_acc = or += dz W[v0:v1] (dx_acc not None). scratch_free: dz is
         not in the scratch (split partials may go there); room: else where they may go (free dW rows, or None)."""
-        cfg, dummy, N, D, x, w, dw = self.cfg, self.dummy, self.N, self.D, self.x, self.w, self.dw
+        cfg, N, D, x, w, dw = self.cfg, self.N, self.D, self.x, self.w, self.dw
         has_perm, perm, skip = self.has_perm, self.perm, self.skip
         rows = v1 - v0
         do_dx = dx_acc is not None
@@ -307,14 +299,14 @@ class _Backward:
             part = part.view(splits, rows, D)
         scatter = do_dw and has_perm and part is None  # dW rows written straight to their classes' rows
         if not do_dw:
-            dw_out = dummy
+            dw_out = None
         elif part is not None:
             dw_out = part
         else:
             dw_out = dw if scatter else dw[v0:v1]
         n_dw_tiles = n_out * splits if do_dw else 0
         wv = w if has_perm else w[v0:v1]
-        descs = (dummy,) * 4
+        descs = (None,) * 4
         grad_tma = cfg.grad_tma and not (skip or has_perm) and tma_ok(dz, x, wv)
         if grad_tma:
             kg, bm, bd = cfg.block_kg, cfg.block_m, cfg.block_d
@@ -323,8 +315,8 @@ class _Backward:
             descs = (configs.descriptor(dz, [kg, bm]), configs.descriptor(dz, [bm, kg]), self.x_desc,
                      configs.descriptor(wv, [kg, bd]))
         bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
-            dz, x, wv, dw_out, dx_acc if do_dx else dummy,
-            perm[v0:] if has_perm else dummy, *self.lists, *descs,
+            dz, x, wv, dw_out, dx_acc,
+            None if perm is None else perm[v0:], *self.lists, *descs,
             N, D, rows, n_dw_tiles, k_per_split, n_out, self.n_blocks, self.n_vtiles, v0 // cfg.block_v,
             cdiv(v1, cfg.block_v),
             dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
@@ -341,5 +333,5 @@ class _Backward:
         if part is not None:
             n = rows * D
             bk._sum_splits_kernel[(cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
-                                                    perm[v0:] if has_perm else dummy, n, splits, D,
+                                                    None if perm is None else perm[v0:], n, splits, D,
                                                     SCATTER=has_perm, BLOCK=1024, UPCAST=self.dot["UPCAST"])
