@@ -378,8 +378,10 @@ def run_extra():
 
 def kernel_resources():
     """Registers, spills and shared memory of every compiled linear-head kernel (Triton's cache; best effort)."""
-    for name in ("_fwd_kernel", "_dz_kernel", "_dgrad_kernel"):
-        fn = getattr(lh, name)
+    from logitless.kernels.linear_head import backward_kernels, forward_kernels
+
+    for name, fn in (("_fwd_kernel", forward_kernels._fwd_kernel), ("_dz_kernel", backward_kernels._dz_kernel),
+                     ("_dgrad_kernel", backward_kernels._dgrad_kernel)):
         try:
             for cache in fn.device_caches.values():
                 for k in cache[0].values():
