@@ -53,3 +53,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def tune():
+    """tune(**overrides): the kernels' Tuning with these fields changed (logitless.kernels.tuning) until the test
+    ends; later calls apply on top of earlier ones."""
+    import contextlib
+
+    from logitless import kernels
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(kernels.tuning(**overrides))

@@ -3,7 +3,7 @@ torch.compile(mode="reduce-overhead"). Capture fails on a host synchronisation (
 tensor) or on memory allocated outside the graph's pool, so these tests also guard the no-sync rule.
 
 At small heads a call is bound by host time (launches, autograd, the torch.library dispatch: notes v13); a replayed
-graph removes it. `scripts/gpu_graphs.py` measures how much."""
+graph removes it. `tools/gpu_graphs.py` measures how much."""
 
 from __future__ import annotations
 

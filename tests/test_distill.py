@@ -11,7 +11,6 @@ import torch
 
 import logitless
 from logitless import testing
-from logitless.kernels import two_heads
 
 from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
 
@@ -158,9 +157,9 @@ def test_triton_odd_sizes_plain(case):
 
 
 @pytest.mark.parametrize("case", ["fkl", "jsd"])
-def test_triton_fused_reduction_loop(case, monkeypatch):
+def test_triton_fused_reduction_loop(case, tune):
     # both heads' products in one loop (a sweep option): heads of one width, tensor descriptors
-    monkeypatch.setattr(two_heads, "FUSED_K", True)
+    tune(two_heads_fused_k=True)
     *tensors, t = make_pair(torch.bfloat16, n=21, ds=24, dt=24, v=70)
     check(case, tensors, "triton", target=t, softcap=4.0, reduction="none")
 
@@ -195,11 +194,9 @@ def test_triton_weight_gradient_only_and_input_only():
             torch.testing.assert_close(go.float(), gr.float(), rtol=2e-2, atol=2e-3)
 
 
-def test_triton_matches_torch_path_many_chunks(monkeypatch):
+def test_triton_matches_torch_path_many_chunks(tune):
     # a scratch too small for one chunk of the default plan: the backward walks many chunks and the second pass
-    from logitless.kernels import linear_head
-
-    monkeypatch.setattr(linear_head, "SCRATCH_BYTES", 21 * 2 * 8)
+    tune(scratch_bytes=21 * 2 * 8)
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.float32, **TRITON_SHAPE)
     for case in ("fkl", "jsd"):
         check(case, (xs, ws, bs, xt, wt, bt), "triton", target=t, reduction="sum")

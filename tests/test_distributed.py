@@ -432,7 +432,7 @@ def _assert_ok(group, world, name):
 
 
 _NO_INTERPRETER = pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it only "
-                                          "without a GPU); scripts/gpu_distributed.py covers the GPU")
+                                          "without a GPU); tools/gpu_distributed.py covers the GPU")
 
 
 @pytest.mark.parametrize("case,world", [

@@ -9,7 +9,9 @@ import torch
 import logitless
 from logitless import loss_math, testing, torch_backend
 from logitless.bench.measure import _cpu_peak
+from logitless.kernels import current_tuning
 from logitless.kernels import linear_head as lh
+from logitless.kernels.linear_head import plans as lh_plans
 from tests.helpers import assert_within_rule, check_against_truth, leaves, make_case
 
 MiB = 1 << 20
@@ -27,7 +29,7 @@ def test_budget_arithmetic():
     n = 16 * MiB * 10 // 2  # the crossover: N V = 80 Mi
     assert loss_math.default_workspace_bytes(n, 1) == 16 * MiB
     assert loss_math.default_workspace_bytes(n + 10, 1) == 2 * (n + 10) // 10 > 16 * MiB
-    assert lh.default_workspace_bytes is loss_math.default_workspace_bytes  # one policy for both paths
+    assert lh_plans.default_workspace_bytes is loss_math.default_workspace_bytes  # one policy for both paths
 
 
 @pytest.mark.parametrize("n,d,v", BENCH_SHAPES)
@@ -35,27 +37,28 @@ def test_policy_buys_the_accumulator_at_the_benchmark_shapes(n, d, v):
     # bf16 / fp16: the float32 dx accumulator gets its own buffer (no second pass), the rest is scratch; the whole
     # budget stays under a tenth of the bf16 logits and far under the accumulator plus torch.compile's logits.
     budget = loss_math.default_workspace_bytes(n, v)
-    ws = lh._workspace(n, v, d, 2, None)
-    assert ws.own_acc and ws.scratch == budget - 4 * n * d >= lh.SCRATCH_BYTES
+    ws = lh_plans._workspace(n, v, d, 2, None)
+    assert ws.own_acc and ws.scratch == budget - 4 * n * d >= current_tuning().scratch_bytes
     assert budget <= 2 * n * v / 10
     # float32: dx accumulates in its own output; the whole budget is scratch
-    assert lh._workspace(n, v, d, 4, None) == (budget, False)
+    assert lh_plans._workspace(n, v, d, 4, None) == (budget, False)
 
 
 def test_workspace_overrides():
     n, d, v = 16384, 4096, 128256
-    lean = lh._workspace(n, v, d, 2, 0)
-    assert lean == (lh.SCRATCH_BYTES, False) == lh._workspace(n, v, d, 2, lh.SCRATCH_BYTES)
-    assert lh._workspace(n, v, d, 2, 64 * MiB) == (64 * MiB, False)  # under 4 N D + 8 MiB: a wider scratch only
+    scratch = current_tuning().scratch_bytes
+    lean = lh_plans._workspace(n, v, d, 2, 0)
+    assert lean == (scratch, False) == lh_plans._workspace(n, v, d, 2, scratch)
+    assert lh_plans._workspace(n, v, d, 2, 64 * MiB) == (64 * MiB, False)  # under 4 N D + 8 MiB: a wider scratch only
     big = 4 * n * d + 256 * MiB
-    assert lh._workspace(n, v, d, 2, big) == (256 * MiB, True)
+    assert lh_plans._workspace(n, v, d, 2, big) == (256 * MiB, True)
     # a smaller budget than the policy's, and a larger one, both taken as given
-    assert lh._workspace(n, v, d, 2, 300 * MiB) == (300 * MiB - 4 * n * d, True)
+    assert lh_plans._workspace(n, v, d, 2, 300 * MiB) == (300 * MiB - 4 * n * d, True)
     # an accumulator the plan must allocate anyway (a frozen head, V < 2N) counts against the budget
-    assert lh._workspace(n, v, d, 2, None, acc_forced=True) == (
+    assert lh_plans._workspace(n, v, d, 2, None, acc_forced=True) == (
         loss_math.default_workspace_bytes(n, v) - 4 * n * d, True)
-    assert lh._workspace(n, v, d, 2, 20 * MiB, acc_forced=True) == (lh.SCRATCH_BYTES, True)
-    assert lh._workspace(n, v, d, 2, 0, acc_forced=True) == (lh.SCRATCH_BYTES, False)
+    assert lh_plans._workspace(n, v, d, 2, 20 * MiB, acc_forced=True) == (scratch, True)
+    assert lh_plans._workspace(n, v, d, 2, 0, acc_forced=True) == (scratch, False)
 
 
 @pytest.mark.parametrize("n,v,temporaries", [(512, 32000, False), (4096, 32000, False), (4096, 32000, True),
@@ -72,25 +75,24 @@ def test_torch_path_blocks(n, v, temporaries):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Triton path (the interpreter on the CPU), small shapes: SCRATCH_BYTES and the policy's floor shrunk so that the
-# lean plan (0), the policy (None) and a large budget differ as they do at the benchmark's shapes.
+# Triton path (the interpreter on the CPU), small shapes: Tuning.scratch_bytes and the policy's floor shrunk so that
+# the lean plan (0), the policy (None) and a large budget differ as they do at the benchmark's shapes.
 
 N, D, V = 37, 64, 300
 SCRATCH = N * 32 * 2  # bf16 dz of 32 classes
 
 
 @pytest.fixture
-def small_policy(monkeypatch):
+def small_policy(tune, monkeypatch):
     """Lean scratch of 32 classes; the policy's floor at 4 N D + 2 scratches (its own accumulator, a doubled
     scratch); poisoned workspaces. Returns the three budgets (lean, policy, large)."""
-    monkeypatch.setattr(lh, "DEBUG_POISON", True)
-    monkeypatch.setattr(lh, "SCRATCH_BYTES", SCRATCH)
+    tune(debug_poison=True, scratch_bytes=SCRATCH)
     monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 4 * N * D + 2 * SCRATCH)
     return 0, None, 4 * N * D + 16 * SCRATCH
 
 
 def test_small_policy_plans(small_policy):
-    plans = {ws: lh._workspace(N, V, D, 2, ws) for ws in small_policy}
+    plans = {ws: lh_plans._workspace(N, V, D, 2, ws) for ws in small_policy}
     assert plans == {0: (SCRATCH, False), None: (2 * SCRATCH, True), small_policy[2]: (16 * SCRATCH, True)}
 
 
@@ -103,9 +105,9 @@ def test_small_policy_plans(small_policy):
 def test_every_plan_within_rule(small_policy, budget, dtype, needs, opts):
     ws = dict(zip(("lean", "policy", "large"), small_policy, strict=True))[budget]
     seen = []
-    workspace = lh._workspace
+    workspace = lh_plans._workspace
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lh, "_workspace", lambda *a: seen.append(workspace(*a)) or seen[-1])
+        mp.setattr(lh_plans, "_workspace", lambda *a: seen.append(workspace(*a)) or seen[-1])
         x, w, b, t = make_case(dtype, n=N, d=D, v=V, bias=True, scale=2.0)
         b = b if "b" in needs else None
         fn = functools.partial(logitless.linear_cross_entropy, workspace_bytes=ws)
@@ -124,11 +126,10 @@ def test_every_plan_within_rule(small_policy, budget, dtype, needs, opts):
     assert seen[-1].own_acc == (budget != "lean" and dtype != torch.float32)
 
 
-def test_log_probs_entropy_and_stash_every_plan(small_policy, monkeypatch):
+def test_log_probs_entropy_and_stash_every_plan(tune, small_policy):
     # The entropy's gradient (B term), a temperature, and the forward's stash in dW with each plan: the forward
     # lays the stash out for the same budget as the backward (the policy's, when None).
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
-    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
+    tune(torch_products=True, stash_min_flop=0)
     x, w, _, t = make_case(torch.bfloat16, n=N, d=D, v=V, scale=2.0)
     up = torch.randn(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     classes = []

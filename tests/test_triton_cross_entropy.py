@@ -10,21 +10,19 @@ import torch
 
 import logitless
 from logitless.cross_entropy import CrossEntropyOutput
+from logitless.kernels import Tuning
 from logitless.kernels import cross_entropy as kce
 from tests.helpers import DTYPES, check_cross_entropy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEFAULT = Tuning()
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles(tune):
     """Tiles of 256 columns, two per program: V = 1000 spreads over 2 programs per row, the second one's last tile
     ragged (the split path: partial statistics merged by the last program, which writes the in-place gradient)."""
-    monkeypatch.setattr(kce, "TILE_ELEMS", 256)
-    monkeypatch.setattr(kce, "TILES_PER_PROGRAM", 2)
-    monkeypatch.setattr(kce, "STATS_TILE_ELEMS", 256)
-    monkeypatch.setattr(kce, "STATS_TILES", 2)
-    monkeypatch.setattr(kce, "MIN_BLOCK_V", 64)
+    tune(ce_tile_elems=256, ce_tiles_per_program=2, ce_stats_tile_elems=256, ce_stats_tiles=2, ce_min_block_v=64)
 
 
 def make(n, v, dtype, scale=3.0, ignore_frac=0.25, seed=0):
@@ -63,34 +61,33 @@ def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w,
 
 
 @pytest.mark.parametrize("bandwidth, expected", [
-    (3.352e12, int(3.352e12 * kce.INPLACE_LAG_SECONDS)),  # H100 SXM: 6.0 MB
-    (4.8e12, kce.INPLACE_LAG_BYTES),  # H200: the 8 MiB it was tuned at
-    (None, kce.INPLACE_LAG_BYTES),  # the driver does not say
+    (3.352e12, int(3.352e12 * DEFAULT.ce_inplace_lag_seconds)),  # H100 SXM: 6.0 MB
+    (4.8e12, DEFAULT.ce_inplace_lag_bytes),  # H200: the 8 MiB it was tuned at
+    (None, DEFAULT.ce_inplace_lag_bytes),  # the driver does not say
 ])
 def test_in_place_lag_follows_dram_bandwidth(monkeypatch, bandwidth, expected):
     monkeypatch.setattr(kce, "dram_bytes_per_s", lambda index: bandwidth)
     assert kce.inplace_lag_bytes(torch.device("cuda", 0)) == expected
-    assert kce.inplace_lag_bytes(torch.device("cpu")) == kce.INPLACE_LAG_BYTES
+    assert kce.inplace_lag_bytes(torch.device("cpu")) == DEFAULT.ce_inplace_lag_bytes
 
 
 @pytest.mark.parametrize("v,tiles", [(1000, 2), (500, 2), (1000, 4)])
 @pytest.mark.parametrize("lag_bytes", [None, 1, 7 * 256 * 4, 1 << 30])
 @pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype", [g[:6] for g in GRID[1::2]])
-def test_in_place_lag(small_tiles, monkeypatch, v, tiles, lag_bytes, reduction, smoothing, z_loss, softcap, class_w,
+def test_in_place_lag(small_tiles, tune, v, tiles, lag_bytes, reduction, smoothing, z_loss, softcap, class_w,
                       dtype):
     # The in-place gradient of rows longer than one tile, in the same launch `lag` work units behind the statistics
     # (1 byte is raised to K units, a whole row block; 7 x 256 x 4 bytes is 1-7 units; 1 GiB is lowered to all
     # units: every gradient after every statistic), or by a second launch (None). Tiles of 256 columns: V = 1000 is
     # 2 programs of 2 tiles per row, V = 500 one program of 2 tiles, and with 4 tiles one program whose last tile is
     # ragged.
-    monkeypatch.setattr(kce, "INPLACE_LAG_BYTES", lag_bytes)
-    monkeypatch.setattr(kce, "INPLACE_TILES_PER_PROGRAM", tiles)
+    tune(ce_inplace_lag_bytes=lag_bytes, ce_inplace_tiles_per_program=tiles)
     z, t = make(17, v, dtype)
     cw = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
     check(z, t, True, weight=cw, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
 
 
-def test_in_place_is_one_launch(small_tiles, monkeypatch):
+def test_in_place_is_one_launch(small_tiles, tune, monkeypatch):
     # By default the in-place gradient of split rows comes from the forward launch: the second-launch kernel is
     # never called (the lagged tests above would pass on it too).
     def no_second_launch(*a, **k):
@@ -99,7 +96,7 @@ def test_in_place_is_one_launch(small_tiles, monkeypatch):
     monkeypatch.setattr(kce, "cross_entropy_bwd", no_second_launch)
     z, t = make(17, 1000, torch.bfloat16)
     check(z, t, True)
-    monkeypatch.setattr(kce, "INPLACE_LAG_BYTES", None)
+    tune(ce_inplace_lag_bytes=None)
     with pytest.raises(AssertionError, match="second launch"):
         check(z, t, True)
 

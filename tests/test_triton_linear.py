@@ -17,6 +17,11 @@ import logitless
 from logitless import testing
 from logitless.bench import data
 from logitless.kernels import linear_head as lh
+from logitless.kernels._common import INTERPRETER_SMS_FORWARD
+from logitless.kernels.linear_head import backward_kernels as lh_kernels
+from logitless.kernels.linear_head import configs as lh_configs
+from logitless.kernels.linear_head import plans as lh_plans
+from logitless.kernels.linear_head import products as lh_products
 from logitless.linear_cross_entropy import class_counts
 from tests.helpers import (
     assert_compiled_matches_eager,
@@ -39,11 +44,11 @@ def case(*args, **kw):
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(lh, "DEBUG_POISON", True)
+def poison(tune):
+    tune(debug_poison=True)
     # The forward's stash wherever it fits (its threshold of saved work is for GPU-sized heads; where the products
     # are torch's, test_stash_conditions checks the threshold itself).
-    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
+    tune(stash_min_flop=0)
 
 
 def lce_check(x, w, b, t, **kw):
@@ -93,11 +98,10 @@ TMA_GRID = [
 
 
 @pytest.mark.parametrize("reduction,smoothing,softcap,bias,class_w,dtype,d,v,tma", TMA_GRID)
-def test_tensor_descriptors(monkeypatch, reduction, smoothing, softcap, bias, class_w, dtype, d,
-                                               v, tma):
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=tma, grad_tma=tma))
+def test_tensor_descriptors(tune, reduction, smoothing, softcap, bias, class_w, dtype, d, v, tma):
+    tune(linear_config=lh_configs.config_for(torch.empty(1, device=DEV)).replace(tma=tma, grad_tma=tma))
     x, w, b, t = case(dtype, d=d, v=v, bias=bias, ignore_frac=0.25, scale=3.0)
-    assert lh._use_tma(lh._config(x), x, w, None) == tma
+    assert lh_configs.use_tma(lh_configs.config_for(x), x, w, None) == tma
     cw = (torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV) if class_w else None
     lce_check(x, w, b, t, weight=cw, reduction=reduction, label_smoothing=smoothing, softcap=softcap)
     check_log_probs_entropy(x, w, b, t, backend="triton", softcap=softcap)
@@ -105,32 +109,33 @@ def test_tensor_descriptors(monkeypatch, reduction, smoothing, softcap, bias, cl
 
 def test_tensor_descriptor_conditions():
     # Descriptors only where the copy engine can read the operands; pointer loads everywhere else.
-    cfg = lh._config(torch.empty(1, device=DEV))._replace(tma=True)
+    cfg = lh_configs.config_for(torch.empty(1, device=DEV)).replace(tma=True)
     x = torch.randn(9, 48, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(70, 48, dtype=torch.bfloat16, device=DEV)
-    assert lh._use_tma(cfg, x, w, None) or lh.TensorDescriptor is None
-    assert not lh._use_tma(cfg._replace(tma=False), x, w, None)
-    assert not lh._use_tma(cfg, x, w, torch.arange(70, dtype=torch.int32, device=DEV))  # a vocabulary order
-    assert lh._use_tma(cfg, x[:, :45], w[:, :45], None) or lh.TensorDescriptor is None  # 96-byte row strides
-    assert not lh._use_tma(cfg, x[:, :45].contiguous(), w[:, :45].contiguous(), None)  # 90-byte row strides
-    assert not lh._use_tma(cfg, x, w.T.contiguous().T, None)  # no unit last stride
-    assert not lh._use_tma(cfg, x.view(-1)[1:].as_strided((8, 48), (48, 1)), w, None)  # base 2 bytes off
+    assert lh_configs.use_tma(cfg, x, w, None) or lh_configs.TensorDescriptor is None
+    assert not lh_configs.use_tma(cfg.replace(tma=False), x, w, None)
+    assert not lh_configs.use_tma(cfg, x, w, torch.arange(70, dtype=torch.int32, device=DEV))  # a vocabulary order
+    # 96-byte row strides
+    assert lh_configs.use_tma(cfg, x[:, :45], w[:, :45], None) or lh_configs.TensorDescriptor is None
+    assert not lh_configs.use_tma(cfg, x[:, :45].contiguous(), w[:, :45].contiguous(), None)  # 90-byte row strides
+    assert not lh_configs.use_tma(cfg, x, w.T.contiguous().T, None)  # no unit last stride
+    assert not lh_configs.use_tma(cfg, x.view(-1)[1:].as_strided((8, 48), (48, 1)), w, None)  # base 2 bytes off
 
 
 # The tiles each kind of CUDA device gets (linear_head.gpu_config: Hopper-class shared memory, A100's, and the 99 KB of
 # sm_86 / sm_89 / sm_120 cards), run at a shape with partial blocks and tiles in every direction; on the CPU through
-# the interpreter (descriptors emulated where the tier uses them). scripts/compile_check.py compiles the same tiers
+# the interpreter (descriptors emulated where the tier uses them). tools/compile_check.py compiles the same tiers
 # for each architecture and checks their shared memory.
 GPU_TIERS = [(9, 232448), (8, 166912), (8, 101376), (12, 101376)]
 
 
 @pytest.mark.parametrize("major,smem", GPU_TIERS)
-def test_gpu_tiers(monkeypatch, major, smem):
+def test_gpu_tiers(tune, major, smem):
     cfg = lh.gpu_config(torch.bfloat16, major, smem)
     assert cfg.tma == cfg.grad_tma == (major >= 9)
     assert (cfg.block_v, cfg.block_k) == ((256, 64) if smem >= 200 * 1024 else (128, 32))
-    assert lh.gpu_config(torch.float32, major, smem) == lh._GPU_CONFIG_FP32
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", cfg)
+    assert lh.gpu_config(torch.float32, major, smem) == lh_configs.fp32_config()
+    tune(linear_config=cfg)
     x, w, b, t = case(torch.bfloat16, n=200, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
     lce_check(x, w, b, t, label_smoothing=0.1)
     check_log_probs_entropy(x, w, b, t, backend="triton")
@@ -181,9 +186,9 @@ def test_extreme_logits(dtype):
     (4.0, 1.0, False, torch.bfloat16),
     (4.0, 1.7, True, torch.float16),
 ])
-def test_log_probs_and_entropy(softcap, temperature, bias, dtype, monkeypatch):
+def test_log_probs_and_entropy(tune, softcap, temperature, bias, dtype):
     plans = []
-    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)  # the entropy's gradient is never skipped
+    tune(debug_plans=plans)  # the entropy's gradient is never skipped
     x, w, b, t = case(dtype, bias=bias, ignore_frac=0.3, scale=3.0)
     check_log_probs_entropy(x, w, b, t, "triton", softcap=softcap, temperature=temperature)
     assert plans == []
@@ -205,9 +210,9 @@ def test_logsumexp(softcap, temperature, bias, dtype):
     assert ours.shape == (1, 37)
 
 
-# Where the backward's workspaces live (kernels/linear_head.py, _plan): each case forces one arrangement with a small
-# SCRATCH_BYTES. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher[, the
-# caller's workspace_bytes])
+# Where the backward's workspaces live (kernels/linear_head/plans.py, _plan): each case forces one arrangement with a
+# small Tuning.scratch_bytes. (dtype, N, D, V, scratch columns, which inputs require grad, SMs seen by the launcher[,
+# the caller's workspace_bytes])
 WORKSPACES = {
     # bf16, both gradients: dz of D classes in dx, dx accumulator in the last 2N rows of dW; the second pass puts
     # one chunk's dz into still-unwritten dW rows and the last into the scratch.
@@ -241,32 +246,31 @@ WORKSPACES = {
 
 @pytest.mark.parametrize("products", ["kernel", "kernel-tma", "torch"])
 @pytest.mark.parametrize("name", list(WORKSPACES))
-def test_backward_workspaces(name, products, monkeypatch):
+def test_backward_workspaces(tune, name, products, monkeypatch):
     # products: the gradient products by _dgrad_kernel, reading dz, x and W through descriptors where the workspace
     # is aligned ("kernel-tma") or not, or by torch's matmuls (on the CPU in float32; cuBLAS on CUDA)
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
-    cfg = lh._config(torch.empty(1, device=DEV))._replace(grad_tma=products == "kernel-tma")
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", cfg)
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", products == "torch")
+    cfg = lh_configs.config_for(torch.empty(1, device=DEV)).replace(grad_tma=products == "kernel-tma")
+    tune(linear_config=cfg, torch_products=products == "torch")
     entered = []  # the torch products run under float32-only cuBLAS reductions
 
-    class Fp32Reductions(lh._Fp32Reductions):
+    class Fp32Reductions(lh_products._Fp32Reductions):
         def __enter__(self):
             entered.append(self)
             return super().__enter__()
 
-    monkeypatch.setattr(lh, "_Fp32Reductions", Fp32Reductions)
+    monkeypatch.setattr(lh_products, "_Fp32Reductions", Fp32Reductions)
     plans, workspaces = [], []
-    make_plan, workspace = lh._plan, lh._workspace
-    monkeypatch.setattr(lh, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
-    monkeypatch.setattr(lh, "_workspace", lambda *a: workspaces.append(tuple(workspace(*a))) or workspace(*a))
-    monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
-    monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
+    make_plan, workspace = lh_plans._plan, lh_plans._workspace
+    monkeypatch.setattr(lh_plans, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
+    monkeypatch.setattr(lh_plans, "_workspace", lambda *a: workspaces.append(tuple(workspace(*a))) or workspace(*a))
+    tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
     chosen = []
-    balanced = lh._balanced_split
-    monkeypatch.setattr(lh, "_balanced_split", lambda *a: chosen.append(balanced(*a)) or chosen[-1])
+    balanced = lh_plans._balanced_split
+    monkeypatch.setattr(lh_plans, "_balanced_split", lambda *a: chosen.append(balanced(*a)) or chosen[-1])
     part_bytes = []  # the storage size behind each launch's split partials: the scratch's, or dW's
-    sum_splits = lh._sum_splits_kernel
+    sum_splits = lh_kernels._sum_splits_kernel
 
     class Recorder:
         def __getitem__(self, grid):
@@ -275,7 +279,7 @@ def test_backward_workspaces(name, products, monkeypatch):
                 return sum_splits[grid](part, *args, **kw)
             return launch
 
-    monkeypatch.setattr(lh, "_sum_splits_kernel", Recorder())
+    monkeypatch.setattr(lh_kernels, "_sum_splits_kernel", Recorder())
     x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
@@ -310,10 +314,10 @@ def test_backward_workspaces(name, products, monkeypatch):
 # The forward's stash of logits in the weight gradient's buffer (linear_head.stash_layout), used when the gradient
 # products are torch's (cuBLAS on CUDA; forced here on the CPU, where they run in float32).
 @pytest.fixture
-def stash_spy(monkeypatch):
+def stash_spy(tune, monkeypatch):
     """Forces the stash's conditions and records the addresses of (stash buffer, dW returned) of each backward that
     used one (not the tensors: a reference held here would make autograd copy the gradient)."""
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    tune(torch_products=True)
     used = []
     backward = lh.backward
 
@@ -365,14 +369,14 @@ def test_stash(stash_spy, dtype, n, d, v, bias, opts):
 
 
 @pytest.mark.parametrize("n", [48, 37])
-def test_stash_descriptor_store(stash_spy, monkeypatch, n):
+def test_stash_descriptor_store(tune, stash_spy, monkeypatch, n):
     # The forward writes the stash through a tensor descriptor where its operands use descriptors and the stash's
     # rows are 16-byte aligned (N % 8 == 0: 48, with a partial token block); else with pointer stores (37).
-    if lh.TensorDescriptor is None:
+    if lh_configs.TensorDescriptor is None:
         pytest.skip("no tensor descriptors in this Triton")
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._config(torch.empty(1, device=DEV))._replace(tma=True))
+    tune(linear_config=lh_configs.config_for(torch.empty(1, device=DEV)).replace(tma=True))
     made = []
-    real = lh.TensorDescriptor
+    real = lh_configs.TensorDescriptor
 
     class Spy(real):
         @classmethod
@@ -380,13 +384,13 @@ def test_stash_descriptor_store(stash_spy, monkeypatch, n):
             made.append((t.dtype, tuple(t.shape), tuple(block_shape)))
             return real.from_tensor(t, block_shape)
 
-    monkeypatch.setattr(lh, "TensorDescriptor", Spy)
+    monkeypatch.setattr(lh_configs, "TensorDescriptor", Spy)
     x, w, b, t = case(torch.bfloat16, n=n, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
     x[3] *= 200  # extreme logits: clamped entries of the stash
     lce_check(x, w, b, t, label_smoothing=0.1, softcap=5.0)
     assert len(stash_spy) == 1
     lay = lh.stash_layout(x, w, True, None)
-    cfg = lh._config(x)
+    cfg = lh_configs.config_for(x)
     stash_desc = [m for m in made if m[0] == torch.float16]
     assert stash_desc == ([(torch.float16, (lay.classes, n), (cfg.block_v, cfg.block_n))] if n % 8 == 0 else [])
 
@@ -431,14 +435,14 @@ def test_stash_becomes_the_gradient(stash_spy):
     assert wo.grad.data_ptr() == stash and xo.grad is not None
 
 
-def test_stash_memory(stash_spy, monkeypatch):
+def test_stash_memory(tune, stash_spy):
     # Forward + backward with the stash holds one V x D buffer, the weight's gradient itself: nothing else of that
     # size (a zero "upstream gradient" of the stash output once was), beyond the small scratch.
     from logitless.bench.measure import _cpu_peak
 
     if DEV != "cpu":
         pytest.skip("CPU allocation events")
-    monkeypatch.setattr(lh, "SCRATCH_BYTES", 20 * 64 * 2)
+    tune(scratch_bytes=20 * 64 * 2)
     x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
     xo, wo = leaves(x, w)
 
@@ -449,31 +453,31 @@ def test_stash_memory(stash_spy, monkeypatch):
 
     with_stash = extra()
     assert len(stash_spy) == 1
-    monkeypatch.setattr(lh, "STASH_LOGITS", False)
+    tune(stash_logits=False)
     plain = extra()  # (the CPU stand-in of the products makes float32 copies of its operands)
     assert len(stash_spy) == 1
     assert with_stash < plain + wo.numel() * 2 // 4, (with_stash, plain)
 
 
-def test_stash_conditions(monkeypatch):
+def test_stash_conditions(tune, monkeypatch):
     x, w, _, t = case(torch.bfloat16, n=20, d=100, v=700)
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    tune(torch_products=True)
     assert lh.stash_layout(x, w, True, None) is not None
     assert lh.stash_layout(x.float(), w.float(), True, None) is None  # float32: dx accumulates in place
-    monkeypatch.setattr(lh, "STASH_LOGITS", False)
+    tune(stash_logits=False)
     assert lh.stash_layout(x, w, True, None) is None
-    monkeypatch.setattr(lh, "STASH_LOGITS", True)
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", False)  # _dgrad_kernel reads dz row-major only
+    tune(stash_logits=True)
+    tune(torch_products=False)  # _dgrad_kernel reads dz row-major only
     assert lh.stash_layout(x, w, True, None) is None
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
+    tune(torch_products=True)
     # (the lean plan: the float32 dx accumulator in dW's last rows leaves room for 576 classes; the default policy
     # gives it its own buffer, and all of dW is room)
-    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576)  # the recomputation it saves here, 576 classes
+    tune(stash_min_flop=2 * 20 * 100 * 576)  # the recomputation it saves here, 576 classes
     assert lh.stash_layout(x, w, True, 0).classes == 576
     assert lh.stash_layout(x, w, True, None).classes > 576
-    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 2 * 20 * 100 * 576 + 1)
+    tune(stash_min_flop=2 * 20 * 100 * 576 + 1)
     assert lh.stash_layout(x, w, True, 0) is None
-    monkeypatch.setattr(lh, "STASH_MIN_FLOP", 0)
+    tune(stash_min_flop=0)
     used = []
     monkeypatch.setattr(lh, "forward_stats", functools.partial(
         lambda f, *a, **kw: used.append(kw.get("stash") is not None) or f(*a, **kw), lh.forward_stats))
@@ -494,15 +498,14 @@ def test_stash_conditions(monkeypatch):
     (4096, 2048, 32000, False, 0), (16384, 4096, 128256, True, 4 * 16384 * 4096 + (256 << 20)),
     (512, 4096, 32000, True, 0), (8192, 2304, 256000, True, None), (16384, 4096, 128256, True, None),
     (8192, 5120, 131072, True, None), (16384, 768, 50257, True, None)])
-def test_stash_layout_timeline(monkeypatch, n, d, v, need_dx, budget):
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
-    monkeypatch.setattr(lh, "TORCH_PRODUCTS", True)
-    cfg = lh._GPU_CONFIG
+def test_stash_layout_timeline(tune, n, d, v, need_dx, budget):
+    tune(linear_config=lh_configs.hopper_config(), torch_products=True)
+    cfg = lh_configs.hopper_config()
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
     lay = lh.stash_layout(x, w, need_dx, budget)
-    ws = lh._workspace(n, v, d, 2, budget)
-    plan = lh._plan(x, torch.empty(n, d, **meta) if need_dx else None, w, n, v, d, cfg, False, ws)
+    ws = lh_plans._workspace(n, v, d, 2, budget)
+    plan = lh_plans._plan(x, torch.empty(n, d, **meta) if need_dx else None, w, n, v, d, cfg, False, ws)
     end = plan.dw_free if need_dx else v * d  # the dx accumulator's first element, where it lives in dW
     assert lay is not None and lay.classes % cfg.block_v == 0 and lay.classes <= plan.dw_end
     # the room is used: fewer than one chunk's worth of classes (plus its tile maxima) would still fit
@@ -510,7 +513,7 @@ def test_stash_layout_timeline(monkeypatch, n, d, v, need_dx, budget):
     assert (end - lay.zo_at - 2 * n * lay.classes // cfg.block_v) < (lay.chunk + cfg.block_v) * per_class
     zo = (lay.zo_at, lay.zo_at + 2 * n * lay.classes // cfg.block_v)
     assert lay.at + n * lay.classes <= zo[0] and zo[1] <= end
-    chunks = lh._first_pass(n, v, d, cfg, plan, False, True, lay)
+    chunks = lh_plans._first_pass(n, v, d, cfg, plan, False, True, lay)
     stashed = [c for c in chunks if c[3]]
     assert [c[:2] for c in stashed] == [(v0, min(v0 + lay.chunk, lay.classes)) for v0 in
                                         range(0, lay.classes, lay.chunk)]
@@ -547,8 +550,8 @@ def test_fp32_reductions_restore_user_settings():
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
         torch._C._set_cublas_allow_fp16_accumulation(True)
         user = tuple(f() for f in get)
-        with pytest.raises(RuntimeError, match="inside"), lh._Fp32Reductions():
-            with lh._Fp32Reductions():  # reentrant: the inner exit keeps float32 reductions on
+        with pytest.raises(RuntimeError, match="inside"), lh_products._Fp32Reductions():
+            with lh_products._Fp32Reductions():  # reentrant: the inner exit keeps float32 reductions on
                 pass
             inside = tuple(f() for f in get)
             raise RuntimeError("inside")
@@ -563,10 +566,10 @@ def test_fp32_reductions_restore_user_settings():
 def test_balanced_split():
     # One program per SM, dW tiles first: few long dW tiles next to many short dx tiles are split; many dW tiles
     # (large D) are not. (qwen3-small's and llama3-8b's first-pass launches on 132 SMs.)
-    assert lh._balanced_split(16384, 32, 512, 16, 132, 64, 64, 2) == 8192
-    assert lh._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 1) == 16384
-    assert lh._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 4) == 16384
-    assert lh._balanced_split(16384, 32, 512, 16, 132, 64, 64, 1) == 16384  # no room for partials
+    assert lh_plans._balanced_split(16384, 32, 512, 16, 132, 64, 64, 2) == 8192
+    assert lh_plans._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 1) == 16384
+    assert lh_plans._balanced_split(16384, 512, 2048, 64, 132, 64, 64, 4) == 16384
+    assert lh_plans._balanced_split(16384, 32, 512, 16, 132, 64, 64, 1) == 16384  # no room for partials
 
 
 def _makespan(n_blocks, layout, sms, group):
@@ -594,7 +597,7 @@ def test_forward_layout_covers_and_balances(n_blocks, n_vtiles):
     # even share at the issue shapes (the first four; equal splits: 3.4-4.3% above), and never later than equal
     # splits do (the first layout the planner considers).
     sms, group, waves = 132, 8, 8
-    n_big, a, n_small, b = layout = lh._fwd_layout(n_blocks, n_vtiles, sms, group, waves)
+    n_big, a, n_small, b = layout = lh_plans._fwd_layout(n_blocks, n_vtiles, sms, group, waves)
     rest = n_vtiles - n_big * a
     assert n_big >= 1 and a >= 1 and rest >= 0
     assert (n_small == 0) == (rest == 0)
@@ -613,8 +616,8 @@ def test_forward_layout_covers_and_balances(n_blocks, n_vtiles):
 def test_forward_layout_under_the_interpreter_uses_both_phases():
     # The small shapes of these tests (N=37, V=300 on 32 x 64 tiles) split each row over both phases, so every
     # forward test also checks the merge of partials from both.
-    cfg = lh._INTERPRETER_CONFIG
-    layout = lh._fwd_layout(-(-37 // cfg.block_n), -(-300 // cfg.block_v), lh._INTERPRETER_FWD_SMS, cfg.group,
+    cfg = lh_configs.interpreter_config()
+    layout = lh_plans._fwd_layout(-(-37 // cfg.block_n), -(-300 // cfg.block_v), INTERPRETER_SMS_FORWARD, cfg.group,
                             cfg.waves)
     assert layout[0] >= 1 and layout[2] >= 1, layout
 
@@ -710,9 +713,9 @@ TAU = 2.0**-12  # the threshold that is safe for bf16/fp16 (skipping is off by d
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles(tune):
     # These tests spell out tile maps for the interpreter's 32 x 64 tiles: on a GPU they run with those tiles too.
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._INTERPRETER_CONFIG)
+    tune(linear_config=lh_configs.interpreter_config())
 
 
 def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
@@ -738,11 +741,11 @@ def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
     return x.to(dtype).to(DEV), w.to(dtype).to(DEV), t.to(DEV)
 
 
-def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
+def skip_check(x, w, b, t, tune, needs="xwb", **kw):
     """Loss and gradients of the Triton path (with kw: skip_threshold, vocab_order, ...) against float64 under the
     error rule; returns (the backward's skip plans, our gradients)."""
     plans = []
-    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
+    tune(debug_plans=plans)
     opts = {k: kw.pop(k) for k in ("skip_threshold", "vocab_order", "workspace_bytes") if k in kw}
     ins = {}
     outs = {}
@@ -762,12 +765,12 @@ def skip_check(x, w, b, t, monkeypatch, needs="xwb", **kw):
     return plans, gs["ours"]
 
 
-def test_skip_peaked_bf16(monkeypatch, small_tiles):
+def test_skip_peaked_bf16(tune, small_tiles):
     # Block 0 uses hot classes of tile 0, block 1 of tile 1, block 2 of tiles 0 and 3; two rows have targets in
     # tiles that are otherwise cold for their block (a tile holding a target is never skipped), two are ignored.
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]])
     t[5], t[40], t[10], t[45] = 150, 290, -100, -100
-    plans, _ = skip_check(x, w, None, t, monkeypatch, skip_threshold=TAU)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
     (plan,) = plans
     expected = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 0, 1], [1, 0, 0, 1, 0]], dtype=torch.uint8)
     assert torch.equal(plan.hot.cpu(), expected)
@@ -775,10 +778,10 @@ def test_skip_peaked_bf16(monkeypatch, small_tiles):
     assert (plan.row_bound[t == -100] == 0).all()  # ignored rows lose nothing: their coefficients are 0
 
 
-def test_skip_nothing_on_uniform_data_or_by_default(monkeypatch, small_tiles):
+def test_skip_nothing_on_uniform_data_or_by_default(tune, small_tiles):
     # Near-uniform softmax (initialisation): every pair holds ~BLOCK_V / V of each row's mass, far above the budget.
     head = data.make_head("uniform", 37, 24, 300, dtype=torch.bfloat16, seed=3, device=DEV)
-    plans, _ = skip_check(head.input, head.weight, None, head.target, monkeypatch, skip_threshold=TAU)
+    plans, _ = skip_check(head.input, head.weight, None, head.target, tune, skip_threshold=TAU)
     assert len(plans) == 1 and bool(plans[0].hot.all()) and (plans[0].row_bound == 0).all()
     # Skipping is opt-in: no plan by default, on peaked data in any dtype.
     for dtype in (torch.bfloat16, torch.float32):
@@ -788,7 +791,7 @@ def test_skip_nothing_on_uniform_data_or_by_default(monkeypatch, small_tiles):
     assert plans == [plans[0]]
 
 
-def test_skip_bound_stops_skipping(monkeypatch, small_tiles):
+def test_skip_bound_stops_skipping(tune, small_tiles):
     # Hot classes in tile 0; tile 1 random (cold: ~1e-7 of the mass); tiles 2, 3, 4 hold exactly 0.45, 0.45 and
     # 0.31 x TAU of every row's mass (zero W rows, a bias): each is cold alone, but skipping all three would lose
     # 1.2 TAU, so the plan must stop after two of them (tile 4, then 2 or 3).
@@ -799,7 +802,7 @@ def test_skip_bound_stops_skipping(monkeypatch, small_tiles):
     b = torch.zeros(300, dtype=torch.float64, device=DEV)
     b[128:] = lse.min() + math.log(0.45 * TAU / 64)
     b = b.to(torch.bfloat16)
-    plans, (dx, dw, db) = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU)
+    plans, (dx, dw, db) = skip_check(x, w, b, t, tune, skip_threshold=TAU)
     (plan,) = plans
     hot = plan.hot.cpu()
     assert (hot[:, 0] == 1).all() and (hot[:, 1] == 0).all() and (hot[:, 4] == 0).all()
@@ -820,7 +823,7 @@ def test_skip_bound_stops_skipping(monkeypatch, small_tiles):
     assert (dw[64:128] == 0).all() and (db[64:128] == 0).all() and (dw[:64] != 0).any()
 
 
-def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
+def test_vocab_order_groups_hot_classes(tune, small_tiles):
     # Hot classes one per tile: in identity order every tile is hot for every block. Ordered by the batch's target
     # counts (within the ranges the bf16 workspace layout allows, here [0, 192) and [192, 300)), they share two
     # tiles and the other three go cold. Bias and dW rows go back to their own classes.
@@ -829,7 +832,7 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
     b = (torch.randn(300, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16).to(DEV)
     t[3] = -100
     # (the leanest plan: with the default policy's own accumulator the order has one range, [0, 300))
-    plans, _ = skip_check(x, w, b, t, monkeypatch, skip_threshold=TAU, vocab_order="batch", workspace_bytes=0)
+    plans, _ = skip_check(x, w, b, t, tune, skip_threshold=TAU, vocab_order="batch", workspace_bytes=0)
     xo, wo = leaves(x, w)
     grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, backend="triton", workspace_bytes=0),
           [xo, wo])
@@ -848,20 +851,20 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
                                         ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none"),
                                         ("own_acc", "counts"), ("wide_scratch", "counts")])
-def test_skip_workspaces(name, order, monkeypatch, small_tiles):
+def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     wide, orders, second = [], [], []
-    first_pass, make_order, second_pass = lh._first_pass, lh.vocab_order, lh._second_pass
-    monkeypatch.setattr(lh, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
+    first_pass, make_order, second_pass = lh_plans._first_pass, lh.vocab_order, lh_plans._second_pass
+    monkeypatch.setattr(lh_plans, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
     monkeypatch.setattr(lh, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
-    monkeypatch.setattr(lh, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
-    monkeypatch.setattr(lh, "SCRATCH_BYTES", n * cols * torch.empty((), dtype=dtype).element_size())
-    monkeypatch.setattr(lh, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(lh_plans, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
+    tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
     if order == "counts":  # per-class counts that reorder every range of the vocabulary
         order = torch.rand(v, generator=torch.Generator().manual_seed(3)).to(DEV)
-    plans, _ = skip_check(x, w, b, t, monkeypatch, needs=needs, reduction="sum", skip_threshold=TAU,
+    plans, _ = skip_check(x, w, b, t, tune, needs=needs, reduction="sum", skip_threshold=TAU,
                           vocab_order=order, workspace_bytes=budget[0] if budget else 0)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
     assert any(dz_at is not None for chunks in wide for _, _, dz_at, _ in chunks) == (isinstance(order, str)
@@ -874,20 +877,20 @@ def test_skip_workspaces(name, order, monkeypatch, small_tiles):
 
 
 @pytest.mark.parametrize("budget_mib", [0, 64, 300, None])
-def test_vocab_order_follows_workspace(budget_mib, monkeypatch):
+def test_vocab_order_follows_workspace(tune, budget_mib):
     # At llama3-8b's shape with the GPU tiles (planning only, meta tensors): the lean plan (0), a larger scratch that
     # moves the second pass's chunk boundaries (64 MiB), or no second pass (300 MiB, and the default policy's 400
     # MiB: the accumulator's own buffer). The order made for that budget keeps each of the backward's second-pass
     # chunks on its own classes.
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
+    tune(linear_config=lh_configs.hopper_config())
     n, d, v = 16384, 4096, 128256
     budget = None if budget_mib is None else budget_mib << 20
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, w = torch.empty(n, d, **meta), torch.empty(v, d, **meta)
     perm = lh.vocab_order(torch.rand(v, generator=torch.Generator().manual_seed(0)), x, w, budget)
-    ws = lh._workspace(n, v, d, 2, budget)
-    plan = lh._plan(x, torch.empty(n, d, **meta), w, n, v, d, lh._GPU_CONFIG, True, ws)
-    chunks = lh._second_pass(n, v, d, 2, lh._GPU_CONFIG, plan.dw_end, True, ws.scratch)
+    ws = lh_plans._workspace(n, v, d, 2, budget)
+    plan = lh_plans._plan(x, torch.empty(n, d, **meta), w, n, v, d, lh_configs.hopper_config(), True, ws)
+    chunks = lh_plans._second_pass(n, v, d, 2, lh_configs.hopper_config(), plan.dw_end, True, ws.scratch)
     own = budget_mib in (300, None)
     assert (plan.dw_end == v) == own and bool(chunks) == (not own)
     for v0, v1, _ in chunks + [(0, plan.dw_end, None)]:
@@ -895,26 +898,26 @@ def test_vocab_order_follows_workspace(budget_mib, monkeypatch):
     assert not torch.equal(perm.long(), torch.arange(v))
 
 
-def test_skip_log_probs(monkeypatch, small_tiles):
+def test_skip_log_probs(tune, small_tiles):
     # linear_log_probs skips too (its gradient is p_j A - C [j = t]; with return_entropy it never does: see
     # test_log_probs_and_entropy).
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40)
     plans = []
-    monkeypatch.setattr(lh, "DEBUG_PLANS", plans)
+    tune(debug_plans=plans)
     up = torch.randn(40, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     check_against_truth(functools.partial(logitless.linear_log_probs, skip_threshold=TAU),
                         testing.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
     assert len(plans) == 1 and not bool(plans[0].hot.all())
 
 
-def test_workspace_bytes_log_probs_and_module(monkeypatch):
+def test_workspace_bytes_log_probs_and_module(tune, monkeypatch):
     # The budget reaches the backward from linear_log_probs (with the entropy's B term), linear_logsumexp and the
     # loss module: the accumulator gets its own buffer; results within the rule.
-    monkeypatch.setattr(lh, "SCRATCH_BYTES", 37 * 32 * 2)
+    tune(scratch_bytes=37 * 32 * 2)
     budget = 4 * 37 * 130 + 37 * 32 * 2
     seen = []
-    workspace = lh._workspace
-    monkeypatch.setattr(lh, "_workspace", lambda *a: seen.append(workspace(*a).own_acc) or workspace(*a))
+    workspace = lh_plans._workspace
+    monkeypatch.setattr(lh_plans, "_workspace", lambda *a: seen.append(workspace(*a).own_acc) or workspace(*a))
     x, w, b, t = case(torch.bfloat16, n=37, d=130, v=300, bias=True, scale=2.0)
     up = torch.randn(37, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     check_against_truth(functools.partial(logitless.linear_log_probs, temperature=0.8, workspace_bytes=budget),
@@ -1076,11 +1079,11 @@ def test_gpu_auto_picks_triton():
 @pytest.mark.parametrize("aligned", [False, True])
 def test_first_pass_chunks(n, d, v, wide, expect, aligned):
     # Every class once; a chunk's dz borrowed from dW lies in rows not written yet and not the accumulator's.
-    cfg = lh._GPU_CONFIG._replace(wide=wide) if n > 1000 else lh._INTERPRETER_CONFIG._replace(wide=wide)
-    start, dw_end = lh._acc_region(n, v, d, cfg, aligned) if v * d >= 2 * n * d + 8 else (v * d, v)
-    chunk = lh._round_chunk(d, cfg.block_v, aligned)
-    plan = lh._Plan(None, chunk, None, dw_end, True, start)
-    chunks = lh._first_pass(n, v, d, cfg, plan, aligned, True)
+    cfg = (lh_configs.hopper_config() if n > 1000 else lh_configs.interpreter_config()).replace(wide=wide)
+    start, dw_end = lh_plans._acc_region(n, v, d, cfg, aligned) if v * d >= 2 * n * d + 8 else (v * d, v)
+    chunk = lh_plans._round_chunk(d, cfg.block_v, aligned)
+    plan = lh_plans._Plan(None, chunk, None, dw_end, True, start)
+    chunks = lh_plans._first_pass(n, v, d, cfg, plan, aligned, True)
     written = []  # dW row ranges written so far (the first pass writes its chunks' rows below dw_end)
     seen = []
     for v0, v1, dz_at, stashed in chunks:
@@ -1102,22 +1105,22 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
     assert any(dz_at is not None for _, _, dz_at, _ in chunks) == expect[aligned]
 
 
-def test_workspace_chunks_capped_at_wide(monkeypatch):
+def test_workspace_chunks_capped_at_wide(tune):
     # Planning only (meta tensors, GPU tiles): a caller's scratch widens the first pass's chunks up to cfg.wide
     # classes and no further (32768-class chunks measured slower), never below the default scratch's width.
-    monkeypatch.setattr(lh, "CONFIG_OVERRIDE", lh._GPU_CONFIG)
-    cfg = lh._GPU_CONFIG
+    tune(linear_config=lh_configs.hopper_config())
+    cfg = lh_configs.hopper_config()
     meta = dict(device="meta", dtype=torch.bfloat16)
     for n, d, v in ((4096, 4096, 128256), (8192, 2304, 256000), (512, 64, 32000)):
         x = torch.empty(n, d, **meta)
         widths = {}
         for name, budget in (("lean", 0), ("default", None), ("ws", 4 * n * d + (256 << 20))):
-            ws = lh._workspace(n, v, d, 2, budget)
-            plan = lh._plan(x, torch.empty(n, d, **meta), torch.empty(v, d, **meta), n, v, d, cfg, False, ws)
-            chunks = lh._first_pass(n, v, d, cfg, plan, False, True)
+            ws = lh_plans._workspace(n, v, d, 2, budget)
+            plan = lh_plans._plan(x, torch.empty(n, d, **meta), torch.empty(v, d, **meta), n, v, d, cfg, False, ws)
+            chunks = lh_plans._first_pass(n, v, d, cfg, plan, False, True)
             widths[name] = max(v1 - v0 for v0, v1, *_ in chunks)
             assert chunks[0][0] == plan.dw_end % v and chunks[-1][1] in (v, plan.dw_end)
-        default_cols = lh._scratch_cols(n, 2, cfg.block_v)
+        default_cols = lh_plans._scratch_cols(n, 2, cfg.block_v)
         assert max(widths["ws"], widths["default"]) <= max(cfg.wide, default_cols), (n, widths)
-        assert lh._scratch_cols(n, 2, cfg.block_v, False, 256 << 20, cfg.wide) == max(
+        assert lh_plans._scratch_cols(n, 2, cfg.block_v, False, 256 << 20, cfg.wide) == max(
             min(cfg.wide, (256 << 20) // (2 * n)) // cfg.block_v * cfg.block_v, default_cols)

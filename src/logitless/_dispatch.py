@@ -14,12 +14,13 @@ import os
 
 BACKENDS = ("auto", "triton", "torch")
 
-# Ops whose Triton implementation exists; kernels register themselves here when their module imports cleanly.
-_TRITON_OPS: set[str] = set()
-
-
-def register_triton_op(op: str) -> None:
-    _TRITON_OPS.add(op)
+# Ops that have Triton kernels: kernels/linear_head (the first three), kernels/two_heads (the two-head losses) and
+# kernels/cross_entropy.
+TRITON_OPS = frozenset({
+    "linear_cross_entropy", "linear_log_probs", "linear_logsumexp",
+    "linear_kl_div", "linear_jsd", "linear_soft_cross_entropy",
+    "cross_entropy",
+})
 
 
 @functools.cache
@@ -34,12 +35,6 @@ def triton_importable() -> bool:
 
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _ensure_kernels_loaded() -> None:
-    # Importing the kernel packages registers their ops; done lazily so `import logitless` stays light.
-    if triton_importable():
-        from . import kernels  # noqa: F401
 
 
 def resolve_backend(backend: str, device, op: str) -> str:
@@ -58,8 +53,7 @@ def resolve_backend(backend: str, device, op: str) -> str:
     if backend == "auto":
         if not on_cuda or not triton_importable():
             return "torch"
-        _ensure_kernels_loaded()
-        return "triton" if op in _TRITON_OPS else "torch"
+        return "triton" if op in TRITON_OPS else "torch"
     # backend == "triton"
     if not triton_importable():
         raise RuntimeError(f"{op}: backend='triton' was requested but Triton is not installed or does not import")
@@ -68,7 +62,6 @@ def resolve_backend(backend: str, device, op: str) -> str:
             f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
             "importing triton to run the kernels through the Triton interpreter, or use backend='torch'"
         )
-    _ensure_kernels_loaded()
-    if op not in _TRITON_OPS:
+    if op not in TRITON_OPS:
         raise NotImplementedError(f"{op}: there is no Triton implementation of this op yet; use backend='torch'")
     return "triton"

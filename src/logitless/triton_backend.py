@@ -172,9 +172,10 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     dtype, at least one class); perm / want_tiles / skip_threshold from head.skip_plan; workspace_bytes for the
     backward (None: the memory policy)."""
     cw = None if class_weight is None else class_weight.float().contiguous()
-    # The forward keeps logits for the backward in the weight gradient's buffer where it has room (STASH_LOGITS in
-    # kernels/linear_head.py): not when tracing for torch.compile, whose backward graph must not depend on whether
-    # the stash was already spent, nor with skipping (its tiles and orders plan the backward's memory).
+    # The forward keeps logits for the backward in the weight gradient's buffer where it has room (kernels.Tuning's
+    # stash_logits; the layout: kernels/linear_head/plans.py): not when tracing for torch.compile, whose backward
+    # graph must not depend on whether the stash was already spent, nor with skipping (its tiles and orders plan the
+    # backward's memory).
     want_stash = (torch.is_grad_enabled() and weight.requires_grad and not want_tiles and perm is None
                   and not torch.compiler.is_compiling())
     m, logs, zt, sw, ent = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap),

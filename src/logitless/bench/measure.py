@@ -114,7 +114,7 @@ class TooSlow(Exception):
     pass
 
 
-# Building blocks for ad-hoc GPU scripts (scripts/gpu_*.py), which time single calls rather than Steps.
+# Building blocks for ad-hoc GPU scripts (tools/gpu_*.py), which time single calls rather than Steps.
 
 
 def event_ms(fn):

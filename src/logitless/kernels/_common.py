@@ -1,12 +1,22 @@
-"""Constants and host helpers shared by the kernel modules."""
+"""Host helpers shared by the kernel families: grid arithmetic, device facts, and new buffers."""
 
 import functools
 
 import torch
-import triton.language as tl
 
-# log2(e): exponentials are computed as exp2(x * LOG2E) (one multiply and the hardware's EX2).
-LOG2E = tl.constexpr(1.4426950408889634)
+from ._tuning import current_tuning
+
+# Multiprocessors assumed under the Triton interpreter, which has no device to ask. One per use, each kept at the
+# value the tests were written against (they pin the plans these counts produce):
+# - the linear-head backward's planners: 2, a small GPU, on which the split of a dW reduction happens only for a
+#   chunk of one dW tile (tests that exercise the splits set their own count);
+# - the linear-head and two-head forwards: 8, enough that the tests' small shapes split each row over both phases
+#   of the forward's layout (with 2, most rows would run whole in one program);
+# - cross_entropy on stored logits: 4, which sets the tiles its config picks at the tests' shapes and the scale
+#   kernel's grid.
+INTERPRETER_SMS_BACKWARD = 2
+INTERPRETER_SMS_FORWARD = 8
+INTERPRETER_SMS_CE = 4
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,12 +25,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def cuda_facts(index: int) -> tuple[int, bool]:
     """(multiprocessors, has the copy engine: compute capability >= 9) of CUDA device `index`, asked once: torch's
     queries take microseconds, and the linear-head backward asks before each of its launches."""
     return (torch.cuda.get_device_properties(index).multi_processor_count,
             torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def num_sms(device: torch.device, interpreter_stand_in: int) -> int:
+    """Streaming multiprocessors of a CUDA device; `interpreter_stand_in` (one of the INTERPRETER_SMS_*) elsewhere."""
+    if device.type != "cuda":
+        return interpreter_stand_in
+    return cuda_facts(device_index(device))[0]
 
 
 @functools.cache
@@ -35,3 +56,9 @@ def dram_bytes_per_s(index: int) -> float | None:
     except Exception:  # noqa: BLE001 - an older Triton or driver: no figure, not an error
         return None
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def new_buffer(shape, **kw) -> torch.Tensor:
+    """torch.empty, or filled with NaN under Tuning.debug_poison (an element never written then shows up)."""
+    t = torch.empty(shape, **kw)
+    return t.fill_(float("nan")) if current_tuning().debug_poison and t.is_floating_point() else t

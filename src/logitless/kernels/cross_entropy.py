@@ -22,64 +22,19 @@ The loss is computed as (M - z_t) + log S, not lse - z_t, so huge logits lose no
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .. import _dispatch
-from ._common import LOG2E, cdiv, cuda_facts, dram_bytes_per_s
-
-_dispatch.register_triton_op("cross_entropy")
-
+from ._common import INTERPRETER_SMS_CE, cdiv, device_index, dram_bytes_per_s
+from ._common import num_sms as _num_sms
+from ._device import LOG2E, cast, sech2, tanh_libdevice
+from ._tuning import current_tuning
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _tanh(y, INTERPRET: tl.constexpr):
-    if not INTERPRET:
-        return libdevice.tanh(y)
-    else:
-        # The interpreter has no libdevice: Lambert's continued fraction below 0.6 (no cancellation near 0), the
-        # exponential form above; within 3 ulp of float64.
-        a = tl.abs(y)
-        y2 = y * y
-        cf = 13.0 + y2 / 15.0
-        cf = 11.0 + y2 / cf
-        cf = 9.0 + y2 / cf
-        cf = 7.0 + y2 / cf
-        cf = 5.0 + y2 / cf
-        cf = 3.0 + y2 / cf
-        small = y / (1.0 + y2 / cf)
-        e = tl.exp(-2.0 * a)
-        big = (1.0 - e) / (1.0 + e)
-        big = tl.where(y < 0, -big, big)
-        return tl.where(a < 0.6, small, big)
-
-
-@triton.jit
-def _sech2(y, th):
-    """1 - tanh(y)^2 given th = tanh(y), to a few ulp: from exp(-2|y|) where tanh saturates, where 1 - th^2 cancels
-    (a saturated softcap's gradient was 60x PyTorch's float32 error)."""
-    a = tl.abs(y)
-    e = tl.exp2(a * (-2.0 * LOG2E))
-    big = 4.0 * e / ((1.0 + e) * (1.0 + e))
-    return tl.where(a < 0.6, (1.0 - th) * (1.0 + th), big)
-
-
-@triton.jit
-def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 -> the output dtype, rounding to nearest even (the interpreter truncates float32 -> bfloat16)."""
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return tl.where(x == x, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), x.to(tl.bfloat16))
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -100,9 +55,9 @@ def _load_tile(logits_ptr, rows64, cols, row_mask, col_mask, stride_row, softcap
         x = tl.load(ptrs, mask=row_mask[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_SOFTCAP:
         y = x / softcap
-        th = _tanh(y, INTERPRET)
+        th = tanh_libdevice(y, INTERPRET)
         z = softcap * th
-        th = _sech2(y, th)
+        th = sech2(y, th)
     else:
         th = x
         z = x
@@ -210,7 +165,7 @@ def _store_grad_tile(logits_ptr, out_ptr, rows64, cols, row_mask, col_mask, stri
     p = tl.exp2(((z - M[:, None]) - logS[:, None]) * LOG2E)
     dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :],
-             _cast_out(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+             cast(dz, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -219,7 +174,7 @@ def _target_logit(logits_ptr, rows64, t, valid, stride_row, softcap, HAS_SOFTCAP
     """The (softcapped) logit of each row's target, gathered from memory; 0 on ignored rows."""
     x = tl.load(logits_ptr + rows64 * stride_row + tl.where(valid, t, 0), mask=valid, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap, INTERPRET)
+        x = softcap * tanh_libdevice(x / softcap, INTERPRET)
     return x
 
 
@@ -389,7 +344,7 @@ def _ce_stats_unit(
             dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING,
                             HAS_SOFTCAP)
             tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                     _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
+                     cast(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -450,7 +405,7 @@ def _ce_lagged_grad_unit(
             dz = _grad_tile(p, A, X, th, cols, t, C, E, class_w_ptr, col_mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                             False)
         tl.store(logits_ptr + rows64[:, None] * stride_row + cols[None, :],
-                 _cast_out(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :],
+                 cast(dz, logits_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & col_mask[None, :],
                  cache_modifier=STORE_CM)
 
 
@@ -522,37 +477,18 @@ def _ce_scale_kernel(
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     ptrs = buf_ptr + rows64[:, None] * stride_row + cols[None, :]
                     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(ptrs, _cast_out(x * g[:, None], buf_ptr.dtype.element_ty, INTERPRET), mask=mask)
+                    tl.store(ptrs, cast(x * g[:, None], buf_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration
 
-# Columns per tile, tiles per program (pass 1 reads TILES * BLOCK_V columns of a row), smallest tile; see _config.
-TILE_ELEMS = 8192
-TILES_PER_PROGRAM = 4
-MIN_BLOCK_V = 1024
-# In place, rows longer than one tile: program i reads work unit i (TILES tiles of a row block) for the statistics
-# and writes the gradient of the unit INPLACE_LAG_BYTES of logits earlier (at least K units: a whole row block),
-# by then published and still in L2 (the statistics' loads ask L2 to keep their lines, the gradient's loads and
-# stores to drop theirs). Measured on an H200 (bf16, 16384 x 128256 and 8192 x 256000, scripts/gpu_ce_tiles.py
-# --lag): 8 MiB (256 units of 2 x 8192 columns) read 5% of the logits twice from DRAM under Nsight Compute, 32 MiB
-# all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a second launch (two reads from DRAM).
-INPLACE_LAG_BYTES: int | None = 8 << 20
-# The lag is best at about the same time of DRAM traffic on each GPU, not the same bytes: at most INPLACE_LAG_BYTES,
-# and at most INPLACE_LAG_SECONDS of the device's peak DRAM bandwidth. On an H100 (3.35 TB/s: 6.0 MB, 184 units) the
-# in-place path took 3.43-3.45 / 3.66 ms at lags of 128-192 units against 3.79 / 3.84 ms at 256 (scripts/
-# gpu_ce_tiles.py --lag, 2026-11-25); an H200 (4.8 TB/s) keeps the 8 MiB it was tuned at.
-INPLACE_LAG_SECONDS = 1.8e-6
-INPLACE_TILES_PER_PROGRAM = 2  # 4 was slower in place (docs/cross_entropy.md)
-# The statistics alone (no gradient in the launch): tiles of STATS_TILE_ELEMS, STATS_TILES per program, in a loop
-# software-pipelined STATS_STAGES deep (docs/cross_entropy.md).
-STATS_TILE_ELEMS = 4096
-STATS_TILES = 8
-STATS_STAGES = 3
+# The tiles' sizes (columns per tile, tiles per program, the narrowest tile; in place; statistics alone) and the
+# in-place path's lag are fields of kernels.Tuning (ce_*), with their measurements.
 
 
-class Config(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
     block_n: int  # rows per tile
     block_v: int  # columns per tile
     num_warps: int
@@ -560,35 +496,38 @@ class Config(NamedTuple):
 
 
 def inplace_lag_bytes(device: torch.device) -> int | None:
-    """Logits between a work unit's statistics and its gradient in the one-launch in-place path: INPLACE_LAG_BYTES,
-    or less on a GPU whose DRAM moves fewer than INPLACE_LAG_BYTES in INPLACE_LAG_SECONDS (None: a second launch)."""
-    if INPLACE_LAG_BYTES is None or device.type != "cuda":
-        return INPLACE_LAG_BYTES
-    bw = dram_bytes_per_s(device.index if device.index is not None else torch.cuda.current_device())
-    return INPLACE_LAG_BYTES if bw is None else min(INPLACE_LAG_BYTES, int(bw * INPLACE_LAG_SECONDS))
+    """Logits between a work unit's statistics and its gradient in the one-launch in-place path:
+    Tuning.ce_inplace_lag_bytes, or less on a GPU whose DRAM moves fewer bytes in Tuning.ce_inplace_lag_seconds
+    (None: a second launch)."""
+    tune = current_tuning()
+    lag = tune.ce_inplace_lag_bytes
+    if lag is None or device.type != "cuda":
+        return lag
+    bw = dram_bytes_per_s(device_index(device))
+    return lag if bw is None else min(lag, int(bw * tune.ce_inplace_lag_seconds))
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in under the interpreter."""
-    if device.type != "cuda":
-        return 4
-    return cuda_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
+    """Streaming multiprocessors of a CUDA device; a small stand-in under the interpreter (_common)."""
+    return _num_sms(device, INTERPRETER_SMS_CE)
 
 
 def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None = None,
             tile_elems: int | None = None) -> Config:
-    """Tiles of up to `tile_elems` elements (TILE_ELEMS by default); a program reads `tiles_per_program` of them
-    (TILES_PER_PROGRAM by default) along a row in pass 1, so a long row is split over several programs. With too few
+    """Tiles of up to `tile_elems` elements (Tuning.ce_tile_elems by default); a program reads `tiles_per_program`
+    of them (Tuning.ce_tiles_per_program by default) along a row in pass 1, so a long row is split over several
+    programs. With too few
     programs to fill the device (small N), fewer tiles per program, then narrower tiles; short rows share a tile
     (BLOCK_N > 1)."""
+    tune = current_tuning()
     n_sm = num_sms(device)
-    tile_elems = tile_elems or TILE_ELEMS
+    tile_elems = tile_elems or tune.ce_tile_elems
     block_v = min(triton.next_power_of_2(V), tile_elems)
-    tiles = max(1, min(tiles_per_program or TILES_PER_PROGRAM, cdiv(V, block_v)))
+    tiles = max(1, min(tiles_per_program or tune.ce_tiles_per_program, cdiv(V, block_v)))
     while N * cdiv(V, block_v * tiles) < 4 * n_sm:
         if tiles > 1:
             tiles //= 2
-        elif block_v > MIN_BLOCK_V:
+        elif block_v > tune.ce_min_block_v:
             block_v //= 2
         else:
             break
@@ -596,7 +535,7 @@ def _config(N: int, V: int, device: torch.device, tiles_per_program: int | None 
     while block_n > 1 and cdiv(N, block_n) * cdiv(V, block_v * tiles) < 4 * n_sm:
         block_n //= 2
     num_warps = max(4, min(16, block_n * block_v // 1024))
-    return Config(block_n, block_v, num_warps, tiles)
+    return Config(block_n=block_n, block_v=block_v, num_warps=num_warps, tiles=tiles)
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -621,8 +560,8 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     None; w_sum: 0-d float32 sum of class_w (needed with class weights and smoothing). scale: 0-d float32 factor of
     the gradient of every non-ignored row (1 / denominator for reduction="mean") or None.
     write_grad: overwrite `logits` with d(loss)/d(logits) (upstream 1, times `scale`) in the same launch.
-    lag: with write_grad, work units between a unit's statistics and its gradient (None: INPLACE_LAG_BYTES of logits;
-    a second launch if that is None too).
+    lag: with write_grad, work units between a unit's statistics and its gradient (None: inplace_lag_bytes of
+    logits; a second launch if that is None too).
     Returns (loss (N,) float32, lse (N,) float32, stats (N, 2) float32).
     """
     assert logits.dim() == 2 and logits.stride(1) == 1
@@ -633,12 +572,13 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     stats = torch.empty(N, 2, device=dev, dtype=torch.float32)
     if N == 0:
         return loss, lse, stats
+    tune = current_tuning()
     if config is not None:
         cfg = config
     elif write_grad:
-        cfg = _config(N, V, dev, INPLACE_TILES_PER_PROGRAM)
+        cfg = _config(N, V, dev, tune.ce_inplace_tiles_per_program)
     else:
-        cfg = _config(N, V, dev, STATS_TILES, STATS_TILE_ELEMS)
+        cfg = _config(N, V, dev, tune.ce_stats_tiles, tune.ce_stats_tile_elems)
     K = cdiv(V, cfg.block_v * cfg.tiles)
     n_blocks = cdiv(N, cfg.block_n)
     split = K > 1
@@ -652,22 +592,23 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
             lag = lag_bytes // (cfg.block_n * cfg.block_v * cfg.tiles * logits.element_size())
     lagged = write_grad and not in_registers and lag is not None
     lag = max(K, min(lag, n_units)) if lagged else 0
+    # Absent operands (class weights, their sum, the scale, the split partials and counters) are None: constexprs
+    # that the kernel's flags keep unread.
     if split:
         nstat = 4 if label_smoothing > 0.0 else 2
         part = torch.empty(N * K * nstat, device=dev, dtype=torch.float32)
     else:
-        part = loss  # not read
-    count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else loss  # else not read
+        part = None
+    count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else None
     _ce_fwd_kernel[(n_units + lag,)](
-        logits, target, class_w if class_w is not None else loss, w_sum if w_sum is not None else loss,
-        scale if scale is not None else loss,
+        logits, target, class_w, w_sum, scale,
         loss, lse, stats, part, count,
         N, V, K, n_units, lag, logits.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, TILES=cfg.tiles, K_POW2=triton.next_power_of_2(K), SPLIT=split,
         HAS_SCALE=scale is not None, WRITE_GRAD=in_registers, LAGGED=lagged,
         STATS_EVICT="evict_last" if lagged else "", GRAD_EVICT="evict_first" if lagged else "",
-        GRAD_STORE_CM=".cs" if lagged else "", STAGES=1 if write_grad else STATS_STAGES,
+        GRAD_STORE_CM=".cs" if lagged else "", STAGES=1 if write_grad else tune.ce_stats_stages,
         INTERPRET=_interpreting(logits),
         **_flags(class_w, label_smoothing, z_loss, softcap),
         num_warps=cfg.num_warps,
@@ -692,9 +633,7 @@ def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *
     cfg = config or _config(N, V, logits.device)
     grid = (cdiv(N, cfg.block_n), cdiv(V, cfg.block_v))
     _ce_bwd_kernel[grid](
-        grad if grad is not None else stats, logits, out, target,
-        class_w if class_w is not None else stats, w_sum if w_sum is not None else stats,
-        scale if scale is not None else stats, stats,
+        grad, logits, out, target, class_w, w_sum, scale, stats,
         N, V, logits.stride(0), out.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_GRAD=grad is not None,

@@ -17,10 +17,11 @@ Forward: programs own (token block x vocabulary split); each computes both heads
 kernels' _logits_tile (tensor descriptors where possible) and the splits' partials are merged with a few PyTorch
 ops on (splits, N) floats. Backward: the linear-head backward's machinery with another dz kernel: the vocabulary is
 walked in chunks, _two_dz_kernel recomputes both heads' tiles and writes the student's dL/dz of the chunk, and the
-two gradient products (dW_s rows = dz^T x_s, dx_s += dz W_s[chunk]) run through linear_head._products_torch (cuBLAS
-for bfloat16 / float16 on CUDA, float32 reductions). The workspaces follow linear_head's plan (_plan, _first_pass,
-_second_pass): dz and the float32 dx accumulator live in rows of dW_s not written yet, so the extra memory is the
-same O(N) plus scratch as the single-head backward's. Nothing here synchronises with the host.
+two gradient products (dW_s rows = dz^T x_s, dx_s += dz W_s[chunk]) run through linear_head's
+products._products_torch (cuBLAS for bfloat16 / float16 on CUDA, float32 reductions). The workspaces follow
+linear_head's plans (_plan, _first_pass, _second_pass): dz and the float32 dx accumulator live in rows of dW_s
+not written yet, so the extra memory is the same O(N) plus scratch as the single-head backward's. Nothing here
+synchronises with the host.
 """
 
 from __future__ import annotations
@@ -31,49 +32,56 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _dispatch
-from . import linear_head as lh
-from ._common import LOG2E, cdiv
-
-# Two accumulators of logits are live at once, so the tiles are half the single-head forward's (128 x 256 fp32
-# would need every register of the thread for the accumulators alone). H100 sweep (docs/distill.md): 4 stages
-# against 3 made the forward 15% and the backward 8% faster; 5-6 stages, 64 x 256, block_k 32 or 128, 16 warps and
-# both heads in one reduction loop were no faster. CONFIG_OVERRIDE / DZ_OVERRIDE let a sweep try others. Fields as
-# linear_head.Config (block_n, block_v, block_k, warps, stages of the forward and dz kernels; group; wide: the
-# widest first-pass chunk of the backward).
-_GPU_CONFIG = lh.Config(128, 128, 64, 8, 4, 128, 256, 64, 8, 4, 8, 8, 128, tma=True, wide=8192)
-_GPU_CONFIG_FP32 = lh.Config(64, 64, 32, 4, 2, 64, 64, 32, 4, 2, 8, 8, 64)
-_INTERPRETER_CONFIG = lh.Config(16, 32, 16, 1, 1, 32, 32, 32, 1, 1, 2, 4, 32, tma=True, wide=96)
-CONFIG_OVERRIDE: lh.Config | None = None
-# The dz kernel's tiles (block_n, block_v, block_k, warps, stages) when they differ from the forward's; None: the
-# forward's, with dz_block_v classes. A sweep sets this.
-DZ_OVERRIDE: tuple[int, int, int, int, int] | None = None
-# The dz kernel writes its tiles through a tensor descriptor (the copy engine) where the operands use them.
-DZ_STORE_TMA = True
-# Both heads' products in one reduction loop where they have one width and use descriptors (_two_tiles).
-FUSED_K = False
+from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, new_buffer, num_sms
+from ._device import LOG2E, cast, exp, mma
+from ._tuning import current_tuning
+from .linear_head import plans
+from .linear_head.configs import Config, descriptor, dot_flags, fp32_config, operands, tma_ok, use_tma
+from .linear_head.products import _MM_OUT_DTYPE, _products_torch
+from .linear_head.tiles import grouped, logits_tile, rescale_ent, transform
 
 
-def _config(x: torch.Tensor) -> lh.Config:
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
+def gpu_config() -> Config:
+    """bfloat16 / float16 on a GPU with the copy engine. Two accumulators of logits are live at once, so the tiles
+    are half the single-head forward's (128 x 256 fp32 would need every register of the thread for the accumulators
+    alone). H100 sweep (docs/distill.md): 4 stages against 3 made the forward 15% and the backward 8% faster; 5-6
+    stages, 64 x 256, block_k 32 or 128, 16 warps and both heads in one reduction loop were no faster. The forward
+    fields (block_n, block_v, block_k, fwd_warps, fwd_stages) serve the forward and dz kernels, dz_block_v the dz
+    kernel's classes, and wide the backward's widest first-pass chunk; the gradient products are cuBLAS's."""
+    return Config(block_n=128, block_v=128, block_k=64, fwd_warps=8, fwd_stages=4,
+                  block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
+                  group=8, waves=8, dz_block_v=128, tma=True, wide=8192)
+
+
+def interpreter_config() -> Config:
+    """The Triton interpreter: tiles small enough that the tests' shapes have several partial tiles each way."""
+    return Config(block_n=16, block_v=32, block_k=16, fwd_warps=1, fwd_stages=1,
+                  block_m=32, block_d=32, block_kg=32, grad_warps=1, grad_stages=1,
+                  group=2, waves=4, dz_block_v=32, tma=True, wide=96)
+
+
+def _config(x: torch.Tensor) -> Config:
+    override = current_tuning().two_heads_config
+    if override is not None:
+        return override
     if x.device.type != "cuda":
-        return _INTERPRETER_CONFIG
+        return interpreter_config()
     if x.dtype == torch.float32:
-        return _GPU_CONFIG_FP32
-    if not lh.cuda_facts(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]:
-        return _GPU_CONFIG._replace(tma=False)
-    return _GPU_CONFIG
+        return fp32_config()
+    if not cuda_facts(device_index(x.device))[1]:
+        return gpu_config().replace(tma=False)
+    return gpu_config()
 
 
-def _dz_config(x: torch.Tensor) -> lh.Config:
+def _dz_config(x: torch.Tensor) -> Config:
     """The backward's config: the dz kernel's tiles in the forward fields (block_n, block_v, block_k, fwd_warps,
-    fwd_stages), which the memory plan also reads (chunks rounded to dz tiles)."""
+    fwd_stages), which the memory plan also reads (chunks rounded to dz tiles); Tuning.two_heads_dz on CUDA."""
     cfg = _config(x)
-    if DZ_OVERRIDE is not None and x.device.type == "cuda":
-        bn, bv, bk, warps, stages = DZ_OVERRIDE
-        return cfg._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv)
-    return cfg._replace(block_v=cfg.dz_block_v)
+    dz_tiles = current_tuning().two_heads_dz
+    if dz_tiles is not None and x.device.type == "cuda":
+        bn, bv, bk, warps, stages = dz_tiles
+        return cfg.replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv)
+    return cfg.replace(block_v=cfg.dz_block_v)
 
 
 _MODES = {"fkl": 0, "ce": 0, "rkl": 1, "jsd": 2}
@@ -101,17 +109,17 @@ def _two_tiles(
         for k in range(0, tl.cdiv(Ds, BLOCK_K)):
             a = xs_ptr.load([r0, k * BLOCK_K])
             b = ws_ptr.load([c0, k * BLOCK_K])
-            acc_s = lh._mma(a, tl.trans(b), acc_s, DOT_PRECISION, UPCAST)
+            acc_s = mma(a, tl.trans(b), acc_s, DOT_PRECISION, UPCAST)
             a2 = xt_ptr.load([r0, k * BLOCK_K])
             b2 = wt_ptr.load([c0, k * BLOCK_K])
-            acc_t = lh._mma(a2, tl.trans(b2), acc_t, DOT_PRECISION, UPCAST)
+            acc_t = mma(a2, tl.trans(b2), acc_t, DOT_PRECISION, UPCAST)
     else:
-        acc_s = lh._logits_tile(xs_ptr, ws_ptr, xs_ptr, row0, col0, N, V, Ds, sxs_n, sxs_d, sws_v, sws_d, False,
+        acc_s = logits_tile(xs_ptr, ws_ptr, xs_ptr, row0, col0, N, V, Ds, sxs_n, sxs_d, sws_v, sws_d, False,
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
-        acc_t = lh._logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
+        acc_t = logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
-    zs, _, slope_s = lh._transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
-    zt, _, _ = lh._transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
+    zs, _, slope_s = transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
+    zt, _, _ = transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
     return zs, zt, slope_s, col_ok
 
 
@@ -128,7 +136,7 @@ def _log_mix(lt, ls, log_beta, log_1mb):
     a = lt + log_beta
     b = ls + log_1mb
     hi = tl.maximum(a, b)
-    return hi + _log1p(lh._exp(tl.minimum(a, b) - hi))
+    return hi + _log1p(exp(tl.minimum(a, b) - hi))
 
 
 @triton.jit
@@ -154,7 +162,7 @@ def _two_fwd_kernel(
     # 2): partials [kt, ks] from stats_ptr's (4, N) final (m_s, logs_s, m_t, logs_t).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_n, split = lh._grouped(pid, n_blocks, n_splits, GROUP)
+    pid_n, split = grouped(pid, n_blocks, n_splits, GROUP)
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -180,8 +188,8 @@ def _two_fwd_kernel(
             ls = (zs - ms[:, None]) - lss[:, None]
             lt = (zt - mt[:, None]) - lst[:, None]
             lm = _log_mix(lt, ls, log_beta, log_1mb)
-            ps = lh._exp(ls)
-            pt = lh._exp(lt)
+            ps = exp(ls)
+            pt = exp(lt)
             ok = col_ok[None, :] & (ps > 0)
             ks += tl.sum(tl.where(ok, ps * (ls - lm), 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
@@ -213,18 +221,18 @@ def _two_fwd_kernel(
                 za = tl.where(col_ok[None, :], za, float("-inf"))
                 zb = tl.where(col_ok[None, :], zb, float("-inf"))
             ma_new = tl.maximum(m_a, tl.max(za, axis=1))
-            alpha = lh._exp(m_a - ma_new)
+            alpha = exp(m_a - ma_new)
             da = za - ma_new[:, None]
-            e = lh._exp(da)
+            e = exp(da)
             live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
             if HAS_ENT:
-                ent = lh._rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
+                ent = rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
             if HAS_D:
                 d_a = alpha * d_a + tl.sum(tl.where(live, e * (za - zb), 0.0), axis=1)
             s_a = s_a * alpha + tl.sum(e, axis=1)
             m_a = ma_new
             mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
-            s_b = s_b * lh._exp(m_b - mb_new) + tl.sum(lh._exp(zb - mb_new[:, None]), axis=1)
+            s_b = s_b * exp(m_b - mb_new) + tl.sum(exp(zb - mb_new[:, None]), axis=1)
             m_b = mb_new
             col0 += BLOCK_V
         step = n_splits * N
@@ -263,7 +271,7 @@ def _two_dz_kernel(
     # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - R); MODE 2: scale p_s (log p_s - log M - R).
     pid = tl.program_id(0)
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
-    pid_n, pid_v = lh._grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
+    pid_n, pid_v = grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
     lcol0 = pid_v.to(tl.int64) * BLOCK_V
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
@@ -302,10 +310,10 @@ def _two_dz_kernel(
     if STORE_DZ:
         if DZ_TMA:
             # dz_ptr: a descriptor of the chunk's (N, v_end - v_begin) dz; the copy engine drops what falls past it.
-            dz_ptr.store([row0.to(tl.int32), lcol0.to(tl.int32)], lh._cast(gz, dz_ptr.dtype, UPCAST))
+            dz_ptr.store([row0.to(tl.int32), lcol0.to(tl.int32)], cast(gz, dz_ptr.dtype, UPCAST))
         else:
             offs = tl.arange(0, BLOCK_N)[:, None] * stride_dz + tl.arange(0, BLOCK_V)[None, :]
-            tl.store(dz_ptr + (row0 * stride_dz + lcol0) + offs, lh._cast(gz, dz_ptr.dtype.element_ty, UPCAST),
+            tl.store(dz_ptr + (row0 * stride_dz + lcol0) + offs, cast(gz, dz_ptr.dtype.element_ty, UPCAST),
                      mask=ok)
     if HAS_DB:
         lcols = lcol0 + tl.arange(0, BLOCK_V)
@@ -329,19 +337,19 @@ def _splits(n_blocks: int, n_vtiles: int, sms: int) -> int:
 
 def _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp):
     """Operands (descriptors where both heads allow them), strides and flags shared by the kernels."""
-    tma = lh._use_tma(cfg, xs, ws, None) and lh._use_tma(cfg, xt, wt, None)
-    xso, wso = lh._operands(xs, ws, tma, cfg.block_n, cfg.block_v, cfg.block_k)
-    xto, wto = lh._operands(xt, wt, tma, cfg.block_n, cfg.block_v, cfg.block_k)
-    dummy = lh._dummy(xs)
-    args = (xso, wso, bs if bs is not None else dummy, xto, wto, bt if bt is not None else dummy)
+    tma = use_tma(cfg, xs, ws, None) and use_tma(cfg, xt, wt, None)
+    xso, wso = operands(xs, ws, tma, cfg.block_n, cfg.block_v, cfg.block_k)
+    xto, wto = operands(xt, wt, tma, cfg.block_n, cfg.block_v, cfg.block_k)
+    args = (xso, wso, bs, xto, wto, bt)  # an absent bias is None: a constexpr the kernels' flags keep unread
     strides = (xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), xt.stride(0), xt.stride(1), wt.stride(0),
                wt.stride(1))
     meta = dict(HAS_BS=bs is not None, HAS_BT=bt is not None, HAS_SOFTCAP=softcap is not None,
                 HAS_TEMP=inv_temp != 1.0, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
                 GROUP=cfg.group, EVEN_KS=xs.shape[1] % cfg.block_k == 0, EVEN_KT=xt.shape[1] % cfg.block_k == 0,
-                **lh._dot_flags(xs), USE_TMA=tma, FUSED=bool(FUSED_K and tma and xs.shape[1] == xt.shape[1]),
+                **dot_flags(xs), USE_TMA=tma,
+                FUSED=bool(current_tuning().two_heads_fused_k and tma and xs.shape[1] == xt.shape[1]),
                 num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
-    return args, strides, meta, dummy
+    return args, strides, meta
 
 
 # Columns of dz per float32 product where torch has no matmul with a float32 output (torch < 2.8, see _products).
@@ -349,13 +357,13 @@ _UPCAST_COLS = 1024
 
 
 def _products(dz, xs, wc, dw_rows, dx_acc, accumulate: bool) -> None:
-    """linear_head._products_torch (dW rows = dz^T x, dx_acc = or += dz wc, float32 reductions); where torch cannot
-    write a bfloat16/float16 product into a float32 output (torch < 2.8 on CUDA), dx_acc takes float32 products of
-    column slices of dz instead (slower, as exact)."""
-    if not (xs.is_cuda and xs.dtype != torch.float32 and not lh._MM_OUT_DTYPE) or dx_acc is None:
-        lh._products_torch(dz, xs, wc, dw_rows, dx_acc, accumulate)
+    """linear_head's _products_torch (dW rows = dz^T x, dx_acc = or += dz wc, float32 reductions); where torch
+    cannot write a bfloat16/float16 product into a float32 output (torch < 2.8 on CUDA), dx_acc takes float32
+    products of column slices of dz instead (slower, as exact)."""
+    if not (xs.is_cuda and xs.dtype != torch.float32 and not _MM_OUT_DTYPE) or dx_acc is None:
+        _products_torch(dz, xs, wc, dw_rows, dx_acc, accumulate)
         return
-    lh._products_torch(dz, xs, wc, dw_rows, None, accumulate)
+    _products_torch(dz, xs, wc, dw_rows, None, accumulate)
     if not accumulate:
         dx_acc.zero_()
     for c0 in range(0, dz.shape[1], _UPCAST_COLS):
@@ -380,20 +388,20 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     cfg = _config(xs)
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
-    sms = lh._num_sms(xs.device) if xs.device.type == "cuda" else lh._INTERPRETER_FWD_SMS
+    sms = num_sms(xs.device, INTERPRETER_SMS_FORWARD)
     n_splits = _splits(n_blocks, n_vtiles, sms)
     per = cdiv(n_vtiles, n_splits)
     n_splits = cdiv(n_vtiles, per)
-    args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
+    args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     lb, l1 = _beta_logs(kind, beta)
     grid = (n_blocks * n_splits,)
     opts = (float(softcap or 1.0), float(inv_temp), lb, l1)
-    part = lh._new((6, n_splits, N), **f32)
+    part = new_buffer((6, n_splits, N), **f32)
     # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
     # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
-    _two_fwd_kernel[grid](*args, dummy, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
+    _two_fwd_kernel[grid](*args, None, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
                           MODE=0, WEIGHT_S=kind == "rkl", HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
                           EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
@@ -409,7 +417,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     logs_s, logs_t = torch.log(S_s), torch.log(S_t)
     if kind != "jsd":
         return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None
-    part2 = lh._new((2, n_splits, N), **f32)
+    part2 = new_buffer((2, n_splits, N), **f32)
     _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
@@ -423,18 +431,19 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     N, D = xs.shape
     V = ws.shape[0]
     need_db = bool(need_db and bs is not None)
-    dx = lh._new((N, D), device=xs.device, dtype=xs.dtype) if need_dx else None
-    dw = lh._new((V, D), device=xs.device, dtype=ws.dtype) if need_dw else None
-    db = lh._new(V, device=xs.device, dtype=torch.float32) if need_db else None
+    dx = new_buffer((N, D), device=xs.device, dtype=xs.dtype) if need_dx else None
+    dw = new_buffer((V, D), device=xs.device, dtype=ws.dtype) if need_dw else None
+    db = new_buffer(V, device=xs.device, dtype=torch.float32) if need_db else None
     if N == 0 or D == 0:
         for t in (dx, dw, db):
             if t is not None:
                 t.zero_()
         return dx, dw, None if db is None else db.to(bs.dtype)
     cfg = _dz_config(xs)
-    ws_plan = lh._workspace(N, V, D, xs.element_size(), workspace_bytes, lh.acc_forced(xs, need_dx, need_dw, N, V, D))
-    plan = lh._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
-    args, strides, meta, dummy = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
+    ws_plan = plans._workspace(N, V, D, xs.element_size(), workspace_bytes,
+                               plans.acc_forced(xs, need_dx, need_dw, N, V, D))
+    plan = plans._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
+    args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     stats = torch.stack([m_s, logs_s, m_t, logs_t])
     lb, l1 = _beta_logs(kind, beta)
     mode = _MODES[kind]
@@ -446,18 +455,18 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     def scratch_view(cols):
         n = N * cols
         if not scratch or scratch[0].numel() < n:
-            scratch[:] = [lh._new(max(ws_plan.scratch // xs.element_size(), n), device=xs.device, dtype=xs.dtype)]
+            scratch[:] = [new_buffer(max(ws_plan.scratch // xs.element_size(), n), device=xs.device, dtype=xs.dtype)]
         return scratch[0][:n].view(N, cols)
 
     def dz_pass(v0, v1, dz, with_db):
         store = dz is not None
-        dz_tma = store and DZ_STORE_TMA and meta["USE_TMA"] and lh._tma_ok(dz)
+        dz_tma = store and current_tuning().two_heads_dz_store_tma and meta["USE_TMA"] and tma_ok(dz)
         dz_arg = dz
         if dz_tma:
-            dz_arg = lh.TensorDescriptor.from_tensor(dz, [cfg.block_n, cfg.block_v])
-        dbp = lh._new((n_blocks, v1 - v0), **f32) if with_db else None
+            dz_arg = descriptor(dz, [cfg.block_n, cfg.block_v])
+        dbp = new_buffer((n_blocks, v1 - v0), **f32) if with_db else None
         _two_dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.block_v),)](
-            *args, stats, R if R is not None else dummy, g, dz_arg if store else dummy, dbp if with_db else dummy,
+            *args, stats, R, g, dz_arg, dbp,
             N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
             float(softcap or 1.0), float(inv_temp), lb, l1, scale,
             MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, **meta)
@@ -466,7 +475,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
 
     need_dz = need_dx or need_dw
     first = True
-    for v0, v1, dz_at, _ in lh._first_pass(N, V, D, cfg, plan, False, need_dz, None):
+    for v0, v1, dz_at, _ in plans._first_pass(N, V, D, cfg, plan, False, need_dz, None):
         dz = None
         if dz_at is not None:
             dz = dw.view(-1)[dz_at: dz_at + N * (v1 - v0)].view(N, v1 - v0)
@@ -481,7 +490,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         dx.copy_(plan.dx_acc)
     if need_dw and plan.dw_end < V:
         # The dW rows that held the dx accumulator: recomputed now that dx is final.
-        for v0, v1, in_dw in lh._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False, ws_plan.scratch):
+        for v0, v1, in_dw in plans._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False, ws_plan.scratch):
             if in_dw:
                 dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
             else:
@@ -491,5 +500,3 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     return dx, dw, None if db is None else db.to(bs.dtype)
 
 
-for _op in ("linear_kl_div", "linear_jsd", "linear_soft_cross_entropy"):
-    _dispatch.register_triton_op(_op)

@@ -1,7 +1,7 @@
 """Compile every Triton kernel specialisation that logitless launches, for a given GPU architecture, without a GPU,
 and check its shared memory against that architecture's limit.
 
-    python scripts/compile_check.py --arch 80,86,89,90 [--shapes "300,64,1100;70,48,300"] [--dtypes bf16,fp16,fp32]
+    python tools/compile_check.py --arch 80,86,89,90 [--shapes "300,64,1100;70,48,300"] [--dtypes bf16,fp16,fp32]
 
 A kernel whose tiles need more shared memory than the GPU has fails at its first launch with Triton's
 OutOfResources; this finds that before a user does. Step 1 runs, in a subprocess with TRITON_INTERPRET=1, the public
@@ -16,6 +16,7 @@ shared memory than the architecture allows. Compiling takes ~5-30 s per speciali
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -59,6 +60,7 @@ def record(shapes, dtypes, configs) -> list:
     import triton.runtime.interpreter as interp
 
     import logitless
+    from logitless import kernels
     from logitless.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
 
@@ -101,32 +103,38 @@ def record(shapes, dtypes, configs) -> list:
     gen = torch.Generator().manual_seed(0)
     for dt_name in dtypes:
         dt = DTYPES[dt_name]
-        lh.CONFIG_OVERRIDE = lh.Config(**configs[dt_name])
-        for N, D, V in shapes:
-            x = (torch.randn(N, D, generator=gen) * 0.5).to(dt).requires_grad_()
-            w = (torch.randn(V, D, generator=gen) * 0.5).to(dt).requires_grad_()
-            b = torch.randn(V, generator=gen).to(dt).requires_grad_()
-            t = torch.randint(0, V, (N,), generator=gen)
-            t[::7] = -100
-            cw = torch.rand(V, generator=gen) + 0.5
-            kw = dict(backend="triton")
-            logitless.linear_cross_entropy(x, w, t, **kw).backward()
-            # a frozen head (dx only) and a frozen input (dW only): other gradient-product specialisations
-            logitless.linear_cross_entropy(x, w.detach(), t, **kw).backward()
-            logitless.linear_cross_entropy(x.detach(), w, t, **kw).backward()
-            logitless.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-4,
-                                           softcap=20.0, reduction="sum", **kw).backward()
-            lp, ent = logitless.linear_log_probs(x, w, t, temperature=0.7, return_entropy=True, **kw)
-            (lp.sum() + ent.sum()).backward()
-            with torch.no_grad():
-                logitless.linear_logsumexp(x, w, **kw)
-            logits = (torch.randn(N, V, generator=gen) * 3).to(dt)
-            logitless.cross_entropy(logits.clone().requires_grad_(), t, **kw).backward()
-            y = logits.clone().requires_grad_()
-            logitless.cross_entropy(y * 1, t, inplace_backward=True, label_smoothing=0.1, z_loss=1e-4, **kw)
-    lh.CONFIG_OVERRIDE = None
+        with kernels.tuning(linear_config=lh.Config(**configs[dt_name])):
+            record_calls(logitless, shapes, dt, gen)
     interp.InterpretedFunction.run = original
     return out
+
+
+def record_calls(logitless, shapes, dt, gen) -> None:
+    """Every public call whose launches record() collects, at each shape, in dtype dt."""
+    import torch
+
+    for N, D, V in shapes:
+        x = (torch.randn(N, D, generator=gen) * 0.5).to(dt).requires_grad_()
+        w = (torch.randn(V, D, generator=gen) * 0.5).to(dt).requires_grad_()
+        b = torch.randn(V, generator=gen).to(dt).requires_grad_()
+        t = torch.randint(0, V, (N,), generator=gen)
+        t[::7] = -100
+        cw = torch.rand(V, generator=gen) + 0.5
+        kw = dict(backend="triton")
+        logitless.linear_cross_entropy(x, w, t, **kw).backward()
+        # a frozen head (dx only) and a frozen input (dW only): other gradient-product specialisations
+        logitless.linear_cross_entropy(x, w.detach(), t, **kw).backward()
+        logitless.linear_cross_entropy(x.detach(), w, t, **kw).backward()
+        logitless.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-4,
+                                       softcap=20.0, reduction="sum", **kw).backward()
+        lp, ent = logitless.linear_log_probs(x, w, t, temperature=0.7, return_entropy=True, **kw)
+        (lp.sum() + ent.sum()).backward()
+        with torch.no_grad():
+            logitless.linear_logsumexp(x, w, **kw)
+        logits = (torch.randn(N, V, generator=gen) * 3).to(dt)
+        logitless.cross_entropy(logits.clone().requires_grad_(), t, **kw).backward()
+        y = logits.clone().requires_grad_()
+        logitless.cross_entropy(y * 1, t, inplace_backward=True, label_smoothing=0.1, z_loss=1e-4, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,8 +213,8 @@ def main():
     dtypes = a.dtypes.split(",")
     all_ok = True
     for arch in (int(v) for v in a.arch.split(",")):
-        config = {d: lh.gpu_config(DTYPES[d], arch // 10, SMEM_LIMIT[arch])
-                  ._replace(**(json.loads(a.replace) if d != "fp32" else {}))._asdict() for d in dtypes}
+        config = {d: dataclasses.asdict(lh.gpu_config(DTYPES[d], arch // 10, SMEM_LIMIT[arch])
+                                        .replace(**(json.loads(a.replace) if d != "fp32" else {}))) for d in dtypes}
         print(f"sm_{arch}: configs {config}", flush=True)
         env = dict(os.environ, TRITON_INTERPRET="1")
         arg = json.dumps(dict(shapes=shapes, dtypes=dtypes, configs=config))

@@ -11,7 +11,7 @@ input):
   floor        the three cuBLAS products alone
 Each variant's loss and gradients are compared with the eager call's on the same data first.
 
-    PYTHONPATH=src python3 scripts/gpu_graphs.py [--shapes 4096,2048,32000;8192,896,151936] [--rounds 5]
+    PYTHONPATH=src python3 tools/gpu_graphs.py [--shapes 4096,2048,32000;8192,896,151936] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tile configurations of the cross_entropy forward kernel (statistics only) and of the in-place path.
 
-    PYTHONPATH=src python scripts/gpu_ce_tiles.py         # statistics alone, and in place, per tiling
-    PYTHONPATH=src python scripts/gpu_ce_tiles.py --lag   # in place: the lag in work units, and a second launch
+    PYTHONPATH=src python tools/gpu_ce_tiles.py         # statistics alone, and in place, per tiling
+    PYTHONPATH=src python tools/gpu_ce_tiles.py --lag   # in place: the lag in work units, and a second launch
 
 bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000 on a CUDA device; CUDA-event medians of 15 after one
 warm-up, next to a device-to-device copy of the logits timed the same way. Config(block_n, block_v, num_warps,
@@ -14,10 +14,15 @@ import statistics
 
 import torch
 
+from logitless import kernels
 from logitless.bench.measure import event_ms
 from logitless.kernels import cross_entropy as kce
 
-C = kce.Config
+
+def C(block_n, block_v, num_warps, tiles):  # noqa: N802 - short for the tables below
+    return kce.Config(block_n=block_n, block_v=block_v, num_warps=num_warps, tiles=tiles)
+
+
 CONFIGS = [C(1, 8192, 8, 4), C(1, 8192, 8, 8), C(1, 8192, 8, 16), C(1, 16384, 16, 2), C(1, 16384, 16, 4),
            C(1, 16384, 16, 8), C(1, 32768, 16, 1), C(1, 32768, 32, 1), C(1, 4096, 4, 4), C(1, 4096, 4, 8),
            C(1, 4096, 8, 8), C(1, 2048, 4, 8), C(1, 8192, 16, 4), C(1, 8192, 4, 4)]
@@ -69,18 +74,21 @@ def run_lags(N, V):
     t = torch.randint(0, V, (N,), device="cuda")
     y = torch.empty_like(x)
     copy = median_ms(lambda: y.copy_(x))
-    print(f"{N}x{V}: copy {copy:.3f} ms, in-place default {kce._config(N, V, x.device, kce.INPLACE_TILES_PER_PROGRAM)}"
-          f", lag {kce.INPLACE_LAG_BYTES} bytes", flush=True)
-    saved = kce.INPLACE_LAG_BYTES
+    tune = kernels.current_tuning()
+    print(f"{N}x{V}: copy {copy:.3f} ms, in-place default "
+          f"{kce._config(N, V, x.device, tune.ce_inplace_tiles_per_program)}, lag {kce.inplace_lag_bytes(x.device)} "
+          "bytes", flush=True)
     for cfg in LAG_CONFIGS:
         ref = None
         row = []
         for lag in LAGS:
-            kce.INPLACE_LAG_BYTES = None if lag is None else saved
+            # (None: a second launch)
+            lag_bytes = None if lag is None else tune.ce_inplace_lag_bytes
             try:
-                def in_place(cfg=cfg, lag=lag):
-                    return kce.cross_entropy_fwd(y, t, None, None, None, write_grad=True, config=cfg, lag=lag,
-                                                 **OPTS)
+                def in_place(cfg=cfg, lag=lag, lag_bytes=lag_bytes):
+                    with kernels.tuning(ce_inplace_lag_bytes=lag_bytes):
+                        return kce.cross_entropy_fwd(y, t, None, None, None, write_grad=True, config=cfg, lag=lag,
+                                                     **OPTS)
 
                 y.copy_(x)
                 in_place()
@@ -90,9 +98,7 @@ def run_lags(N, V):
                 row.append(f"{lag}: {ms:.3f}{'' if diff == 0 else f' (diff {diff:.1e})'}")
             except Exception as e:  # a configuration the compiler rejects is reported, not fatal
                 row.append(f"{lag}: {repr(e)[:100]}")
-            finally:
-                kce.INPLACE_LAG_BYTES = saved
-        print(f"  {tuple(cfg)}: " + " | ".join(row), flush=True)
+        print(f"  {cfg}: " + " | ".join(row), flush=True)
 
 
 def main():

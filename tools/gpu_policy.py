@@ -1,13 +1,13 @@
 """The backward's memory policy on a CUDA device: fwd+bwd time and peak extra memory of linear_cross_entropy per
 workspace setting, next to torch.compile and cuBLAS's products, every provider interleaved in one process.
 
-    PYTHONPATH=src python scripts/gpu_policy.py [--shapes gpt2,gemma2-2b,...|N,D,V] [--rounds 4] [--reps 3]
+    PYTHONPATH=src python tools/gpu_policy.py [--shapes gpt2,gemma2-2b,...|N,D,V] [--rounds 4] [--reps 3]
         [--kind lm] [--no-compile] [--json FILE]
-    PYTHONPATH=src python scripts/gpu_policy.py --smoke      # tiny shapes on the CPU (Triton interpreter): it runs
+    PYTHONPATH=src python tools/gpu_policy.py --smoke      # tiny shapes on the CPU (Triton interpreter): it runs
 
 Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
   lean     workspace_bytes=0: the leanest plan (8 MiB scratch, the dx accumulator in dW's last rows, second pass)
-  default  workspace_bytes=None: the default policy, max(16 MiB, N V / 5 bytes) (kernels/linear_head.py)
+  default  workspace_bytes=None: the default policy, max(16 MiB, N V / 5 bytes) (loss_math.default_workspace_bytes)
   ws       workspace_bytes=4 N D + 256 MiB
   compile  torch.compile of the eager composition (F.linear, then F.cross_entropy in float32), as `logitless bench`
   floor3   three cuBLAS products on a stored N x V bf16 gradient: x @ W.T, dz @ W, dz.T @ x (the dense floor)
@@ -81,10 +81,11 @@ def main(argv=None) -> int:
     import torch
 
     import logitless
-    from logitless import loss_math
+    from logitless import kernels, loss_math
     from logitless.bench import data
     from logitless.bench.measure import peak_extra_mib
     from logitless.kernels import linear_head as lh
+    from logitless.kernels.linear_head import plans
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         args.rounds, args.reps = 1, 1
         # Tiny shapes reach every plan: a lean scratch of 32 classes, a policy of 64 KiB (the accumulator's own
         # buffer and a wider scratch).
-        lh.SCRATCH_BYTES = 64 * 32 * 2
+        smoke_scratch = 64 * 32 * 2
         loss_math.POLICY_MIN_BYTES = 64 << 10
 
     def sync():
@@ -138,8 +139,8 @@ def main(argv=None) -> int:
         x = x0.detach().requires_grad_(True)
         w = w0.detach().requires_grad_(True)
         ws_big = 4 * N * D + (256 << 20)
-        budget = lh.default_workspace_bytes(N, V)
-        plan = lh._workspace(N, V, D, 2, None)
+        budget = loss_math.default_workspace_bytes(N, V)
+        plan = plans._workspace(N, V, D, 2, None)
         lay = lh.stash_layout(x, w, True, None) if cuda else None
         lay0 = lh.stash_layout(x, w, True, 0) if cuda else None
         print(f"{name} (N={N}, D={D}, V={V}): policy budget {budget / 2**20:.0f} MiB (4ND = {4 * N * D / 2**20:.0f}"
@@ -222,10 +223,11 @@ def main(argv=None) -> int:
               + (f", default / compile {med['default'] / med['compile']:.3f}" if "compile" in med else "")
               + f", default / floor {med['default'] / fl:.3f}; grads vs lean: default {diffs['default']:.1e},"
               f" ws {diffs['ws']:.1e}; losses " + " ".join(f"{k} {v:.5f}" for k, v in losses.items()), flush=True)
-    for name, (N, D, V) in shapes:
-        run_shape(name, N, D, V)
-        if cuda:
-            torch.cuda.empty_cache()
+    with kernels.tuning(scratch_bytes=smoke_scratch if args.smoke else kernels.current_tuning().scratch_bytes):
+        for name, (N, D, V) in shapes:
+            run_shape(name, N, D, V)
+            if cuda:
+                torch.cuda.empty_cache()
     cols = ["lean", "default", "ws", "compile", "floor3", "floor4", "floor3p"]
     print("\n| shape (N, D, V) | " + " | ".join(cols) + " | default / lean | default / ws | default / compile |"
           " default / floor |")

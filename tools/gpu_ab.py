@@ -1,24 +1,24 @@
-"""A/B timing of two versions of a kernel file on a CUDA device, interleaved so that both see the same clocks.
+"""A/B timing of versions of the kernels on a CUDA device, interleaved so that all see the same clocks.
 
-    git show REV:src/logitless/kernels/linear_head.py > old_linear_head.py
-    PYTHONPATH=src python scripts/gpu_ab.py --old old_linear_head.py [--shapes gemma2-2b,...] [--rounds 6] [--reps 5]
-        [--json FILE] [--set ACC_IN_DX=0.25 ...] [--also other_linear_head.py ...] [--cases fwdbwd]
-    git show REV:src/logitless/kernels/cross_entropy.py > old_cross_entropy.py
-    PYTHONPATH=src python scripts/gpu_ab.py --kernels cross_entropy --old old_cross_entropy.py [--rounds 6]
+    mkdir old && git archive REV src/logitless/kernels | tar -x -C old    # another revision's kernels package
+    PYTHONPATH=src python tools/gpu_ab.py --old old/src/logitless/kernels [--shapes gemma2-2b,...] [--rounds 6]
+        [--reps 5] [--json FILE] [--set stash_logits=False ...] [--also OTHER_KERNELS_DIR ...] [--cases fwdbwd]
+    PYTHONPATH=src python tools/gpu_ab.py --kernels cross_entropy --old old/src/logitless/kernels [--rounds 6]
 
-"A" is the file given by --old (another version of src/logitless/kernels/<kernels>.py), "B" the package's own;
-each --set adds a version C, D, ... of the package's file with module constants changed, and each --also another
-file, named on after them (linear_head only). Without --old (linear_head), A is the package's own file and the
---set versions are B, C, ...
+A version is a kernels package (the folder src/logitless/kernels of some revision) with a kernels.Tuning. "A" is the
+package given by --old, "B" the package's own; each --set adds a version C, D, ... of the package's own kernels with
+Tuning fields changed (comma-separated name=value, e.g. "stash_logits=False,scratch_bytes=0"), and each --also
+another package, named on after them (linear_head only). Without --old (linear_head), A is the package's own and the
+--set versions are B, C, ... (Revisions whose kernels registered themselves with the dispatcher on import load too.)
 The GPU runs at its power limit under these kernels, so a version timed in its own loop right after another sees
-different clocks (notes/linear_head.md, v6); here each round times A, B, ... in order or in reverse (the order
-alternates), at one shape on the same tensors. Even so, two-version runs have read 2-3% against the second version
-for changes that were null kernel by kernel (v20): for differences that small, add a null version (a --set of a
-constant to its own value) and compare against its spread. Per shape (uniform data, bf16): one cuBLAS product x @
-W.T, no-grad log-probs, the forward (loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input
-and weight; --cases picks). Each entry is the median over rounds of a median of --reps calls. Before timing, each
-version's loss, log-probs and gradients are compared with A's (largest difference relative to A's largest entry; the
-two may sum in different orders).
+different clocks; here each round times A, B, ... in order or in reverse (the order alternates), at one shape on the
+same tensors. Even so, two-version runs have read 2-3% against the second version for changes that were null kernel
+by kernel: for differences that small, add a null version (a --set of a field to its default value) and compare
+against its spread. Per shape (uniform data, bf16): one cuBLAS product x @ W.T, no-grad log-probs, the forward
+(loss, no grad) and forward + backward (gradients of the mean loss w.r.t. input and weight; --cases picks). Each
+entry is the median over rounds of a median of --reps calls. Before timing, each version's loss, log-probs and
+gradients are compared with A's (largest difference relative to A's largest entry; the two may sum in different
+orders).
 
 --kernels cross_entropy: bf16 logits ~ N(0, 4) at 16384 x 128256 and 8192 x 256000; the launchers are called
 directly: the forward alone (statistics and loss) and the in-place path (forward, then the gradient written over
@@ -29,16 +29,21 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
+import importlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 
 import torch
 import triton
-from gpu_linear import SHAPES, head_steps  # scripts/, next to this file
+from gpu_linear import SHAPES, head_steps  # tools/, next to this file
 
+import logitless._dispatch
 import logitless.kernels
+from logitless import kernels
 from logitless.bench import data
 from logitless.bench.measure import event_ms
 
@@ -47,20 +52,30 @@ CE_SHAPES = ((16384, 128256), (8192, 256000))
 CE_OPTS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
 
 
-def load_old(path: str, kernels: str = "linear_head"):
-    # Loaded as a sibling module of the package's kernels, so that its relative imports resolve.
-    spec = importlib.util.spec_from_file_location(f"logitless.kernels.{kernels}_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if kernels == "linear_head" and not hasattr(mod, "stash_layout"):  # a file from before the forward's stash
-        mod.stash_layout = lambda *args: None
-    return mod
+def load_old(path: str, kernels_name: str = "linear_head"):
+    """logitless.kernels.<kernels_name> of another kernels package (a folder), loaded as a sibling package of the
+    package's own kernels (logitless.kernels_ab<n>), so that its relative imports resolve."""
+    if not hasattr(logitless._dispatch, "register_triton_op"):  # revisions whose kernels registered on import
+        logitless._dispatch.register_triton_op = lambda op: None
+    name = f"logitless.kernels_ab{sum(m.startswith('logitless.kernels_ab') for m in sys.modules)}"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    spec.loader.exec_module(pkg)
+    return importlib.import_module(f"{name}.{kernels_name}")
 
 
-def use(mod) -> None:
+def use(version) -> None:
     # The public functions import the launchers through the package on every call (linear_cross_entropy._kernels).
+    mod, _ = version
     sys.modules[MODULE] = mod
     logitless.kernels.linear_head = mod
+
+
+def tuned(version):
+    """The version's Tuning, current for a block."""
+    return kernels.tuning(version[1])
 
 
 def median_ms(fn, reps: int) -> float:
@@ -80,9 +95,10 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp",
     out = {}
     names = list(versions)
     first = None
-    for name, mod in versions.items():
-        use(mod)
-        got = (logp(), *fwdbwd())
+    for name, version in versions.items():
+        use(version)
+        with tuned(version):
+            got = (logp(), *fwdbwd())
         if first is None:
             first = got
         else:  # each version against A
@@ -97,8 +113,9 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp",
         mm.append(median_ms(lambda: head.input @ head.weight.T, reps))
         for name in names if r % 2 == 0 else names[::-1]:
             use(versions[name])
-            for case, fn in steps:
-                times[name, case].append(median_ms(fn, reps))
+            with tuned(versions[name]):
+                for case, fn in steps:
+                    times[name, case].append(median_ms(fn, reps))
     out["mm_ms"] = statistics.median(mm)
     for (name, case), v in times.items():
         out[f"{name} {case}_ms"] = statistics.median(v)
@@ -116,9 +133,10 @@ def run_ce_shape(N: int, V: int, versions: dict, rounds: int, reps: int) -> dict
     t = torch.randint(0, V, (N,), device="cuda")
     y = torch.empty_like(x)
     out, outputs = {}, {}
-    for name, mod in versions.items():
+    for name, (mod, tune) in versions.items():
         y.copy_(x)
-        loss = mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS)[0]
+        with kernels.tuning(tune):
+            loss = mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS)[0]
         outputs[name] = (loss, y.clone())
     (la, ga), (lb, gb) = outputs.values()
     out["diff"] = {"loss": rel_diff(la, lb), "grad": rel_diff(ga, gb)}
@@ -129,12 +147,13 @@ def run_ce_shape(N: int, V: int, versions: dict, rounds: int, reps: int) -> dict
     for r in range(rounds):
         copy.append(median_ms(lambda: y.copy_(x), reps))
         for name in names if r % 2 == 0 else names[::-1]:
-            mod = versions[name]
-            times[name, "stats"].append(median_ms(
-                lambda mod=mod: mod.cross_entropy_fwd(x, t, None, None, None, write_grad=False, **CE_OPTS), reps))
-            # y holds gradients after the first call: the same work on finite values
-            times[name, "inplace"].append(median_ms(
-                lambda mod=mod: mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS), reps))
+            mod, tune = versions[name]
+            with kernels.tuning(tune):
+                times[name, "stats"].append(median_ms(
+                    lambda mod=mod: mod.cross_entropy_fwd(x, t, None, None, None, write_grad=False, **CE_OPTS), reps))
+                # y holds gradients after the first call: the same work on finite values
+                times[name, "inplace"].append(median_ms(
+                    lambda mod=mod: mod.cross_entropy_fwd(y, t, None, None, None, write_grad=True, **CE_OPTS), reps))
     out["copy_ms"] = statistics.median(copy)
     for (name, case), v in times.items():
         out[f"{name} {case}_ms"] = statistics.median(v)
@@ -150,17 +169,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="linear_head", choices=("linear_head", "cross_entropy"))
     ap.add_argument("--old", default=None,
-                    help="another version of src/logitless/kernels/<kernels>.py (linear_head: without it, A is the "
-                         "package's own file and only the --set / --also versions are compared with it)")
+                    help="another kernels package, the folder src/logitless/kernels of some revision (linear_head: "
+                         "without it, A is the package's own and only the --set / --also versions are compared)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="preset names or NxDxV, comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--also", action="append", default=[],
-                    help="another version of the kernel file (repeatable; named after the --set versions)")
+                    help="another kernels package folder (repeatable; named after the --set versions)")
     ap.add_argument("--set", action="append", default=[],
-                    help="another version: the package's file with module constants set, e.g. ACC_IN_DX=0.25 "
-                         "(repeatable; named C, D, ...)")
+                    help="another version: the package's own kernels with kernels.Tuning fields set, e.g. "
+                         "stash_logits=False (repeatable; named C, D, ...)")
     ap.add_argument("--cases", default="logp,fwd,fwdbwd", help="what to time (linear_head): logp, fwd, fwdbwd")
     a = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
@@ -173,7 +192,7 @@ def main():
             ap.error("--set and --also are for --kernels linear_head only")
         import logitless.kernels.cross_entropy as new_ce
 
-        versions = {"A": load_old(a.old, a.kernels), "B": new_ce}
+        versions = {"A": (load_old(a.old, a.kernels), kernels.Tuning()), "B": (new_ce, kernels.Tuning())}
         for N, V in CE_SHAPES:
             r = run_ce_shape(N, V, versions, a.rounds, a.reps)
             res[f"{N}x{V}"] = r
@@ -187,20 +206,22 @@ def main():
         return
     import logitless.kernels.linear_head as new
 
-    versions = {"A": load_old(a.old), "B": new} if a.old is not None else {"A": new}
+    default = kernels.Tuning()
+    versions = {"A": (new, default)}
+    if a.old is not None:
+        versions = {"A": (load_old(a.old), default), "B": (new, default)}
     for spec in a.set:
-        # C, D, ... (B, C, ... without --old): the package's own file, loaded again as its own module, with module
-        # constants set
+        # C, D, ... (B, C, ... without --old): the package's own kernels with Tuning fields set
         name = chr(ord("A") + len(versions))
-        mod = load_old(new.__file__)
+        fields = {}
         for item in spec.split(","):
             key, value = item.split("=")
-            setattr(mod, key, ast.literal_eval(value))
-        versions[name] = mod
+            fields[key] = ast.literal_eval(value)
+        versions[name] = (new, dataclasses.replace(default, **fields))
         res[f"version {name}"] = spec
     for path in a.also:
         name = chr(ord("A") + len(versions))
-        versions[name] = load_old(path)
+        versions[name] = (load_old(path), default)
         res[f"version {name}"] = path
     cases = a.cases.split(",")
     try:
@@ -214,7 +235,7 @@ def main():
                 + "; " + "; ".join(f"diff {n} {r[f'diff {n}']}" for n in list(versions)[1:]), flush=True)
             torch.cuda.empty_cache()
     finally:
-        use(new)
+        use((new, default))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

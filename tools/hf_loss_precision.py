@@ -1,6 +1,6 @@
 """How far the patched and the stock transformers losses are from float64, and from each other, on a CPU.
 
-    python scripts/hf_loss_precision.py [--vocab 32000,262144] [--hidden 64] [--tokens 256] [--seed 0]
+    python tools/hf_loss_precision.py [--vocab 32000,262144] [--hidden 64] [--tokens 256] [--seed 0]
 
 A tiny randomly initialised Llama (2 layers) in float32, its head scaled so that the logits spread like a trained
 model's (standard deviation ~3, entropy a few nats rather than log V), one batch of random token ids. The same

@@ -1,6 +1,6 @@
 """The memory floor of the in-place cross_entropy design, measured: its traffic alone, next to the kernel and a copy.
 
-    PYTHONPATH=src python scripts/gpu_ce_floor.py
+    PYTHONPATH=src python tools/gpu_ce_floor.py
 
 The one-launch in-place path (kernels/cross_entropy.py, LAGGED) reads each logit twice, once for the row statistics
 and once, `lag` work units later, for the gradient (from L2 by then), and writes it once. `_traffic_kernel` makes
@@ -100,7 +100,7 @@ def run_shape(N: int, V: int) -> None:
     x = (torch.randn(N, V, device="cuda") * 2).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device="cuda")
     y = torch.empty_like(x)
-    lag = kce.INPLACE_LAG_BYTES
+    lag = kce.inplace_lag_bytes(x.device)
     opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
     copy = median_ms(lambda: y.copy_(x))
     rows = {

@@ -3,7 +3,7 @@ forward + backward at a shape, after warm-up calls, between cudaProfilerStart/St
 
     ncu --profile-from-start off --clock-control none \
         --kernel-name regex:'_fwd_kernel|_dz_kernel|_dgrad_kernel|gemm|nvjet' --launch-count 7 \
-        --section SpeedOfLight --section WarpStateStats ... python3 scripts/ncu_head.py --shape 16384,4096,128256
+        --section SpeedOfLight --section WarpStateStats ... python3 tools/ncu_head.py --shape 16384,4096,128256
 
 Without ncu it just runs (a smoke test of the driver).
 """

@@ -1,7 +1,7 @@
 """Where the two-head losses' time goes on a GPU, and a sweep of their kernels' tiles.
 
-    python scripts/gpu_distill_tiles.py --shape 8192,2304,256000
-    python scripts/gpu_distill_tiles.py --fwd 128,128,64,8,3 128,256,64,16,3 --dz 128,128,64,8,3
+    python tools/gpu_distill_tiles.py --shape 8192,2304,256000
+    python tools/gpu_distill_tiles.py --fwd 128,128,64,8,3 128,256,64,16,3 --dz 128,128,64,8,3
 
 Prints, for bf16 lm-like heads (the student's and a related teacher's): one cuBLAS product of the shape (the rate a
 tile kernel can hope for), the single-head forward and backward kernels, a per-kernel profile of one fwd+bwd of the
@@ -22,7 +22,7 @@ import logitless
 from logitless import distill
 from logitless.bench import cases, data
 from logitless.kernels import linear_head as lh
-from logitless.kernels import two_heads
+from logitless.kernels import tuning, two_heads
 
 _FWD = ["128,128,64,8,4", "128,128,64,8,5", "64,256,64,8,4", "64,256,64,8,5"]
 _DZ = ["128,128,64,8,4", "128,128,64,8,5", "64,256,64,8,4", "128,128,64,8,3,f"]
@@ -89,13 +89,11 @@ def _kinds(xs, ws, xt, wt, g, reps, rate):
         R = distill.row_loss(kind, 0.5, distill.RowStats(*st))[1]
         line = f"{kind:4s} forward {rate(_ms(fwd, reps), 4 if kind == 'jsd' else 2)}"
         for tma in (True, False):
-            two_heads.DZ_STORE_TMA = tma
-
             def bwd(kind=kind, st=st, R=R):
                 return two_heads.backward(xs, ws, None, xt, wt, None, *st[:4], R, g, kind=kind, beta=0.5,
                                           softcap=None, inv_temp=1.0, need_dx=True, need_dw=True, need_db=False)
-            line += f" | backward dz-tma={int(tma)} {_ms(bwd, reps):8.2f} ms"
-        two_heads.DZ_STORE_TMA = True
+            with tuning(two_heads_dz_store_tma=tma):
+                line += f" | backward dz-tma={int(tma)} {_ms(bwd, reps):8.2f} ms"
         print(line)
     print("fwd kernel (regs, spills, smem):", _resources(two_heads._two_fwd_kernel))
     print("dz kernel (regs, spills, smem):", _resources(two_heads._two_dz_kernel))
@@ -146,41 +144,39 @@ def main():
     base = two_heads._config(xs)
     st = None
     for spec in args.fwd:
-        (bn, bv, bk, warps, stages), two_heads.FUSED_K, group = _spec(spec)
-        two_heads.CONFIG_OVERRIDE = base._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps,
-                                                  fwd_stages=stages, dz_block_v=bv, group=group or base.group)
-        two_heads.DZ_OVERRIDE = (128, 128, bk, 8, 3)
-        try:
-            kl = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5,
-                                                     softcap=None, inv_temp=1.0), args.reps)
-            jsd = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="jsd", beta=0.5,
-                                                      softcap=None, inv_temp=1.0), args.reps)
-            print(f"two-head forward {spec:16s} kl {rate(kl, 2)}   jsd {rate(jsd, 4)}")
-        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is a result too)
-            print(f"two-head forward {spec:16s} failed: {type(e).__name__}: {str(e)[:120]}")
-        if st is None:
-            two_heads.FUSED_K = False
-            st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None,
-                                         inv_temp=1.0)
-    two_heads.CONFIG_OVERRIDE = None
+        (bn, bv, bk, warps, stages), fused, group = _spec(spec)
+        cfg = base.replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv,
+                           group=group or base.group)
+        with tuning(two_heads_config=cfg, two_heads_dz=(128, 128, bk, 8, 3), two_heads_fused_k=fused):
+            try:
+                kl = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5,
+                                                         softcap=None, inv_temp=1.0), args.reps)
+                jsd = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="jsd", beta=0.5,
+                                                          softcap=None, inv_temp=1.0), args.reps)
+                print(f"two-head forward {spec:16s} kl {rate(kl, 2)}   jsd {rate(jsd, 4)}")
+            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is a result too)
+                print(f"two-head forward {spec:16s} failed: {type(e).__name__}: {str(e)[:120]}")
+            if st is None:
+                with tuning(two_heads_fused_k=False):
+                    st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None,
+                                                 inv_temp=1.0)
     if st is None:
         st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None, inv_temp=1.0)
     m_s, logs_s, m_t, logs_t = st[:4]
     for spec in args.dz:
-        two_heads.DZ_OVERRIDE, two_heads.FUSED_K, group = _spec(spec)
-        two_heads.CONFIG_OVERRIDE = base._replace(group=group or base.group)
+        dz_tiles, fused, group = _spec(spec)
 
         def bwd2():
             return two_heads.backward(xs, ws, None, xt, wt, None, m_s, logs_s, m_t, logs_t, None, g, kind="fkl",
                                       beta=0.5, softcap=None, inv_temp=1.0, need_dx=True, need_dw=True,
                                       need_db=False)
 
-        try:
-            print(f"two-head backward {spec:15s}", rate(_ms(bwd2, args.reps), 4))
-        except Exception as e:  # noqa: BLE001
-            print(f"two-head backward {spec:15s} failed: {type(e).__name__}: {str(e)[:120]}")
-    two_heads.DZ_OVERRIDE = None
-    two_heads.CONFIG_OVERRIDE = None
+        with tuning(two_heads_config=base.replace(group=group or base.group), two_heads_dz=dz_tiles,
+                    two_heads_fused_k=fused):
+            try:
+                print(f"two-head backward {spec:15s}", rate(_ms(bwd2, args.reps), 4))
+            except Exception as e:  # noqa: BLE001
+                print(f"two-head backward {spec:15s} failed: {type(e).__name__}: {str(e)[:120]}")
 
 
 if __name__ == "__main__":

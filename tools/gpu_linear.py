@@ -1,9 +1,9 @@
 """Linear head kernels on a CUDA device: correctness against float64 and timing next to cuBLAS.
 
-    PYTHONPATH=src python scripts/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
+    PYTHONPATH=src python tools/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
         [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
-    PYTHONPATH=src python scripts/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
-    PYTHONPATH=src python scripts/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
+    PYTHONPATH=src python tools/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
+    PYTHONPATH=src python tools/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
 
 For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
 "uniform" = the head at initialisation), in bfloat16:
@@ -51,6 +51,7 @@ from logitless.bench.cases import GPU_DEFAULT_PRESETS, PRESETS
 from logitless.bench.check import rel_err as rel
 from logitless.bench.check import rule_line as rule
 from logitless.bench.measure import event_ms, peak_extra_mib
+from logitless.kernels import current_tuning, tuning
 from logitless.kernels import linear_head as lh
 from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD, class_counts
 
@@ -174,62 +175,57 @@ def time_case(head, reps):
 
 def run_variants(reps, shapes=("llama3-8b",)):
     """Other tile configurations at each shape (uniform data): the forward alone, and forward + backward."""
-    base = lh._GPU_CONFIG
-    fwd_variants = {"default": base}  # (forward group sizes: notes/linear_head.md v6, no change)
+    base = lh.hopper_config()
+    fwd_variants = {"default": base}
     # name -> (configuration, scratch bytes): a larger scratch widens the first pass's chunks (dz goes there
     # instead of the dx buffer, at the price of the scratch's memory)
-    scratch = lh.SCRATCH_BYTES
+    scratch = current_tuning().scratch_bytes
     grad_variants = {
         "default": (base, scratch),
-        "gradient products through pointers": (base._replace(grad_tma=False), scratch),
-        "gradient products 3 stages": (base._replace(grad_stages=3), scratch),
-        "no wide chunks": (base._replace(wide=0), scratch),
+        "gradient products through pointers": (base.replace(grad_tma=False), scratch),
+        "gradient products 3 stages": (base.replace(grad_stages=3), scratch),
+        "no wide chunks": (base.replace(wide=0), scratch),
         "default again": (base, scratch),
     }
     out = {}
-    try:
-        for shape in shapes:
-            N, D, V = SHAPES[shape]
-            head = data.uniform(N, D, V, device="cuda")
-            x, w, t = head.input, head.weight, head.target
-            xl, wl = leaf(x), leaf(w)
-            for name, cfg in fwd_variants.items():
-                lh.CONFIG_OVERRIDE = cfg
-                key = f"{shape} fwd {name}"
-                try:
-                    with torch.no_grad():
-                        out[key] = median_ms(
-                            lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
-                except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
-                    out[key] = repr(e)[:120]
-                print(f"  variant {key}: {out[key]}", flush=True)
-            ref = None
-            for name, (cfg, nbytes) in grad_variants.items():
-                lh.CONFIG_OVERRIDE = cfg
-                lh.SCRATCH_BYTES = nbytes
-                key = f"{shape} fwdbwd {name}"
+    for shape in shapes:
+        N, D, V = SHAPES[shape]
+        head = data.uniform(N, D, V, device="cuda")
+        x, w, t = head.input, head.weight, head.target
+        xl, wl = leaf(x), leaf(w)
+        for name, cfg in fwd_variants.items():
+            key = f"{shape} fwd {name}"
+            try:
+                with torch.no_grad(), tuning(linear_config=cfg):
+                    out[key] = median_ms(
+                        lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
+            except Exception as e:  # a configuration the compiler rejects (shared memory) is reported, not fatal
+                out[key] = repr(e)[:120]
+            print(f"  variant {key}: {out[key]}", flush=True)
+        ref = None
+        for name, (cfg, nbytes) in grad_variants.items():
+            key = f"{shape} fwdbwd {name}"
 
-                def step(xl=xl, wl=wl, t=t):
-                    return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl))
+            def step(xl=xl, wl=wl, t=t, cfg=cfg, nbytes=nbytes):
+                with tuning(linear_config=cfg, scratch_bytes=nbytes):
+                    return torch.autograd.grad(logitless.linear_cross_entropy(xl, wl, t, backend="triton"),
+                                               (xl, wl))
 
-                try:
-                    grads = step()
-                    if ref is None:
-                        ref = grads
-                    # gradients against the default's, relative to its largest entry (summation order differs)
-                    diff = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                               for g, r in zip(grads, ref, strict=True))
-                    del grads
-                    out[key] = (median_ms(step, reps), diff)
-                except Exception as e:
-                    out[key] = repr(e)[:120]
-                print(f"  variant {key}: {out[key]}", flush=True)
-            del ref
-            del head, x, w, t, xl, wl
-            torch.cuda.empty_cache()
-    finally:
-        lh.CONFIG_OVERRIDE = None
-        lh.SCRATCH_BYTES = scratch
+            try:
+                grads = step()
+                if ref is None:
+                    ref = grads
+                # gradients against the default's, relative to its largest entry (summation order differs)
+                diff = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                           for g, r in zip(grads, ref, strict=True))
+                del grads
+                out[key] = (median_ms(step, reps), diff)
+            except Exception as e:
+                out[key] = repr(e)[:120]
+            print(f"  variant {key}: {out[key]}", flush=True)
+        del ref
+        del head, x, w, t, xl, wl
+        torch.cuda.empty_cache()
     return out
 
 
@@ -251,7 +247,7 @@ def run_fwd_variants(shapes, reps, names=None):
     shape (uniform data); every variant's log-probs are compared with the default's. Then fwd+bwd with the default
     (tensor descriptors in the forward and dz kernels) and with pointer loads."""
     out = {}
-    base = lh._GPU_CONFIG
+    base = lh.hopper_config()
     for shape in shapes:
         N, D, V = SHAPES[shape]
         head = data.uniform(N, D, V, device="cuda")
@@ -263,9 +259,8 @@ def run_fwd_variants(shapes, reps, names=None):
         for name, change in FWD_VARIANTS.items():
             if names and name not in names:
                 continue
-            lh.CONFIG_OVERRIDE = base._replace(**change)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), tuning(linear_config=base.replace(**change)):
                     lp = logitless.linear_log_probs(x, w, t, backend="triton")
                     if ref is None:
                         ref = lp
@@ -277,24 +272,20 @@ def run_fwd_variants(shapes, reps, names=None):
             except Exception as e:  # a configuration the compiler rejects is reported, not fatal
                 out[f"{shape} logp {name}"] = repr(e)[:200]
                 print(f"  {shape} logp {name}: {repr(e)[:200]}", flush=True)
-            finally:
-                lh.CONFIG_OVERRIDE = None
         xl, wl = leaf(x), leaf(w)
         for name, change in (("default", {}), ("pointers fwd+dz", dict(tma=False))):
-            lh.CONFIG_OVERRIDE = base._replace(**change)
             try:
-                ms = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(
-                    logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), max(3, reps // 3))
-                with torch.no_grad():
-                    fms = median_ms(lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"),
-                                    reps)
+                with tuning(linear_config=base.replace(**change)):
+                    ms = median_ms(lambda xl=xl, wl=wl, t=t: torch.autograd.grad(
+                        logitless.linear_cross_entropy(xl, wl, t, backend="triton"), (xl, wl)), max(3, reps // 3))
+                    with torch.no_grad():
+                        fms = median_ms(
+                            lambda x=x, w=w, t=t: logitless.linear_cross_entropy(x, w, t, backend="triton"), reps)
                 out[f"{shape} fwdbwd {name}"] = (ms, fms)
                 print(f"  {shape} {name}: fwd+bwd {ms:.2f} ms, fwd {fms:.3f} ms = {fms / mm:.3f} x mm", flush=True)
             except Exception as e:
                 out[f"{shape} fwdbwd {name}"] = repr(e)[:200]
                 print(f"  {shape} fwdbwd {name}: {repr(e)[:200]}", flush=True)
-            finally:
-                lh.CONFIG_OVERRIDE = None
         del head, x, w, t, xl, wl, ref
         torch.cuda.empty_cache()
     return out
@@ -387,8 +378,10 @@ def run_extra():
 
 def kernel_resources():
     """Registers, spills and shared memory of every compiled linear-head kernel (Triton's cache; best effort)."""
-    for name in ("_fwd_kernel", "_dz_kernel", "_dgrad_kernel"):
-        fn = getattr(lh, name)
+    from logitless.kernels.linear_head import backward_kernels, forward_kernels
+
+    for name, fn in (("_fwd_kernel", forward_kernels._fwd_kernel), ("_dz_kernel", backward_kernels._dz_kernel),
+                     ("_dgrad_kernel", backward_kernels._dgrad_kernel)):
         try:
             for cache in fn.device_caches.values():
                 for k in cache[0].values():
@@ -455,7 +448,7 @@ def order_fractions(x, w, t, tile_lse_fn, tau, orders):
     """{order: (fraction of (token block, tile) pairs cold, max per-row bound)} for per-class counts orders[name]
     (None: identity); tile_lse_fn(perm) -> (tile_lse, m, logs) of the forward in that order."""
     out = {}
-    cfg = lh._config(x) if lh.CONFIG_OVERRIDE is None else lh.CONFIG_OVERRIDE
+    cfg = lh.config_for(x)
     for name, counts in orders.items():
         perm = None if counts is None else lh.vocab_order(counts, x, w)
         tiles, m, logs = tile_lse_fn(perm)
@@ -468,12 +461,12 @@ def run_cpu_orders(shape, tau, losses=(2.5, 1.5)):
     """The cold fraction per vocabulary order on lm data, at a CPU-sized shape (see the module docstring), next to
     what skipping with the exact masses (not a bound) would reach with token blocks of 128, 32, 8 and 1 rows."""
     N, D, V = shape
-    lh.CONFIG_OVERRIDE = lh._GPU_CONFIG  # GPU tiles for the order's ranges and the plan
-    bn, bv = lh._GPU_CONFIG.block_n, lh._GPU_CONFIG.block_v
+    gpu = lh.hopper_config()  # GPU tiles for the order's ranges and the plan
+    bn, bv = gpu.block_n, gpu.block_v
     nt = triton.cdiv(V, bv)
     blocks = (128, 32, 8, 1)
     rows = []
-    try:
+    with tuning(linear_config=gpu):
         for loss in losses:
             head = data.lm_like(N, D, V, dtype=torch.bfloat16, target_loss=loss, seed=0)
             x, w, t = head.input, head.weight, head.target
@@ -508,8 +501,6 @@ def run_cpu_orders(shape, tau, losses=(2.5, 1.5)):
                 rows.append((loss, name, frac, plan.row_bound.max().item(), exact))
                 print(f"  cpu-orders lm {loss} nats, order {name}: cold {frac:.4f}, exact-mass per block "
                       f"{blocks}: {[round(e, 4) for e in exact]}", flush=True)
-    finally:
-        lh.CONFIG_OVERRIDE = None
     print(f"\nshape N={N} D={D} V={V}, tiles {bn} x {bv}, threshold {tau:g}")
     print("| data | order | pairs cold (bound, as the backward plans) | max row bound | cold with exact masses, "
           "blocks of " + " / ".join(map(str, blocks)) + " rows |")
@@ -563,11 +554,8 @@ def run_sparsity(shapes, kinds, reps, check_rows, device="cuda"):
                             xl, wl, t, backend="triton", skip_threshold=thr, vocab_order=order), (xl, wl))
 
                     plans = []
-                    lh.DEBUG_PLANS = plans
-                    try:
+                    with tuning(debug_plans=plans):
                         fwdbwd()
-                    finally:
-                        lh.DEBUG_PLANS = None
                     frac = (1.0 - plans[0].hot.float().mean().item()) if plans else 0.0
                     bound = plans[0].row_bound.max().item() if plans else 0.0
                     del plans

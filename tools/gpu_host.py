@@ -11,7 +11,7 @@ time of one call without the profiler's overhead (--breakdown): Triton's JIT ent
 and its launcher (tensor-descriptor packing and the driver call) timed per kernel by wrapping them, the host-made
 tensor descriptors, and the rest (our planner, PyTorch ops, autograd).
 
-    PYTHONPATH=src python3 scripts/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
+    PYTHONPATH=src python3 tools/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
         [--breakdown]
 """
 

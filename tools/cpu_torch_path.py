@@ -1,6 +1,6 @@
 """The PyTorch path (logitless.torch_backend, the CPU default) against eager PyTorch on this CPU, interleaved.
 
-    PYTHONPATH=src python scripts/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2]
+    PYTHONPATH=src python tools/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2]
         [--old OLD_REFERENCE.py]      # e.g. git show REV:src/logitless/reference.py > old_reference.py
 
 float32, lm-like data (logitless.bench.data), mean loss. Per round, in an order that alternates between rounds:

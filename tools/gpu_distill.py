@@ -2,9 +2,9 @@
 single-head linear_cross_entropy of the student alone (the yardstick of docs/distill.md) and Liger's
 LigerFusedLinearJSD where it is installed.
 
-    python scripts/gpu_distill.py                                   # gemma2-2b shape, bf16, lm-like heads
-    python scripts/gpu_distill.py --shape 8192,2304,256000 --rounds 5 --reps 3
-    python scripts/gpu_distill.py --tiles 128,64,64,8,3             # two-head tiles: block_n, block_v, block_k,
+    python tools/gpu_distill.py                                   # gemma2-2b shape, bf16, lm-like heads
+    python tools/gpu_distill.py --shape 8192,2304,256000 --rounds 5 --reps 3
+    python tools/gpu_distill.py --tiles 128,64,64,8,3             # two-head tiles: block_n, block_v, block_k,
                                                                     # warps, stages (forward and dz kernels)
 
 Peak memory is what a call allocates above its inputs and the gradients it returns (torch.cuda's peak counter).
@@ -13,6 +13,8 @@ Peak memory is what a call allocates above its inputs and the gradients it retur
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 
 import torch
@@ -21,7 +23,9 @@ import logitless
 from logitless import testing
 from logitless.bench import cases, data
 from logitless.bench.check import rule_line
-from logitless.kernels import two_heads
+from logitless.kernels import tuning, two_heads
+
+_TUNED = contextlib.ExitStack()
 
 
 def _losses(liger):
@@ -107,8 +111,9 @@ def main():
     if args.tiles:
         bn, bv, bk, warps, stages = (int(a) for a in args.tiles.split(","))
         base = two_heads._config(torch.empty(1, device="cuda", dtype=torch.bfloat16))
-        two_heads.CONFIG_OVERRIDE = base._replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps,
-                                                  fwd_stages=stages, dz_block_v=bv)
+        tiles = dataclasses.replace(base, block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages,
+                                    dz_block_v=bv)
+        _TUNED.enter_context(tuning(two_heads_config=tiles))  # for the rest of the run
     head = data.make_head(args.data, n, d, v, dtype=torch.bfloat16, device="cuda", seed=0)
     xt, wt = cases.teacher_for(head)
     x, w, t = head.input.clone().requires_grad_(), head.weight.clone().requires_grad_(), head.target

@@ -1,20 +1,22 @@
 """No-grad log-probs with other tiles or grid settings, interleaved with one cuBLAS product, on a CUDA device.
 
-    PYTHONPATH=src python scripts/gpu_fwd_sweep.py [--shapes gemma2-2b,llama3-8b,16384x4096x128256] [--rounds 6]
+    PYTHONPATH=src python tools/gpu_fwd_sweep.py [--shapes gemma2-2b,llama3-8b,16384x4096x128256] [--rounds 6]
         [--reps 3]
         --variant "" --variant "block_k=64" --variant "group=16" --variant "block_n=256,block_v=128"
 
-Each --variant is a comma-separated list of fields of the kernels' Config (kernels/linear_head.py) replaced in the
-device's own tiles and set through CONFIG_OVERRIDE; "" is the default. A variant equal to the default (such as
-"block_k=64") is a null version: its distance from "" is the protocol's spread. Per shape (uniform data, bf16), each
-round times the product and every variant in turn (the order reverses every other round; the GPU runs at its power
-limit, so each sees the same clocks) as the median of --reps calls, and the table gives the median over rounds and
-its ratio to the product. Before timing, each variant's log-probs are compared with the first variant's.
+Each --variant is a comma-separated list of fields of the kernels' Config (kernels/linear_head/configs.py) replaced
+in the device's own tiles and set with kernels.tuning(linear_config=...); "" is the default. A variant equal to the
+default (such as "block_k=64") is a null version: its distance from "" is the protocol's spread. Per shape (uniform
+data, bf16), each round times the product and every variant in turn (the order reverses every other round; the GPU
+runs at its power limit, so each sees the same clocks) as the median of --reps calls, and the table gives the median
+over rounds and its ratio to the product. Before timing, each variant's log-probs are compared with the first
+variant's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -23,15 +25,17 @@ import logitless
 from logitless.bench.cases import parse_shape
 from logitless.bench.measure import event_ms
 from logitless.kernels import linear_head as lh
+from logitless.kernels import tuning
 
 
 def parse_variant(text: str) -> dict:
     fields = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in lh.Config._fields:
-            raise SystemExit(f"unknown Config field {key!r}; expected one of {', '.join(lh.Config._fields)}")
-        fields[key] = type(getattr(lh._GPU_CONFIG, key))(value == "True" if value in ("True", "False") else int(value))
+        names = [f.name for f in dataclasses.fields(lh.Config)]
+        if key not in names:
+            raise SystemExit(f"unknown Config field {key!r}; expected one of {', '.join(names)}")
+        fields[key] = value == "True" if value in ("True", "False") else int(value)
     return fields
 
 
@@ -42,17 +46,13 @@ def sweep(s, variants: list[str], base, rounds: int, reps: int) -> None:
     t = torch.randint(0, s.V, (s.N,), device="cuda", generator=g)
 
     def run(cfg):
-        lh.CONFIG_OVERRIDE = cfg
-        try:
-            with torch.no_grad():
-                return logitless.linear_log_probs(x, w, t, backend="triton")
-        finally:
-            lh.CONFIG_OVERRIDE = None
+        with torch.no_grad(), tuning(linear_config=cfg):
+            return logitless.linear_log_probs(x, w, t, backend="triton")
 
     fns = {"product": lambda: x @ w.T}
     first = None
     for v in variants:
-        cfg = base._replace(**parse_variant(v))
+        cfg = base.replace(**parse_variant(v))
         out = run(cfg)
         first = out if first is None else first
         print(f"{s.name} {v or 'default'!r}: largest difference to the first variant {(out - first).abs().max():.3g}")
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     variants = a.variant if a.variant is not None else [""]
-    base = lh._device_config(torch.cuda.current_device(), torch.bfloat16)
+    base = lh.config_for(torch.empty(1, device="cuda", dtype=torch.bfloat16))
     print(f"device {torch.cuda.get_device_name()}; default tiles {base}")
     for name in a.shapes.split(","):
         sweep(parse_shape(name), variants, base, a.rounds, a.reps)

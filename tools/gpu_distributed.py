@@ -1,7 +1,7 @@
 """Vocabulary-parallel ops over NCCL, one process per GPU: correctness against one GPU and float64, and timing.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
-        torchrun --nproc-per-node 2 scripts/gpu_distributed.py [--reps 10] [--check-rows 2048] [--kinds lm,uniform]
+        torchrun --nproc-per-node 2 tools/gpu_distributed.py [--reps 10] [--check-rows 2048] [--kinds lm,uniform]
         [--shape llama3-8b] [--json FILE]
 
 (`python3 -m torch.distributed.run` in place of `torchrun` where the launcher is not on PATH.)
@@ -24,7 +24,7 @@ go to the first ranks). In bfloat16:
    all-reduce of d_input); peak extra memory per GPU.
 Prints a short table at the end (rank 0); --json writes the numbers. --smoke runs the same code on CPU processes
 over gloo at tiny shapes (the Triton kernels through the interpreter), to check the script itself:
-    PYTHONPATH=src torchrun --nproc-per-node 2 scripts/gpu_distributed.py --smoke
+    PYTHONPATH=src torchrun --nproc-per-node 2 tools/gpu_distributed.py --smoke
 """
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""The repository's documents stand on their own: every relative Markdown link resolves (file and heading), and
+nothing cites what a reader of the repository cannot see (a lab log that is gone, files outside it, issue numbers).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tracked(*patterns: str) -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [ROOT / f for f in out.stdout.split() if (ROOT / f).is_file()]
+
+
+def _anchors(md: Path) -> set[str]:
+    # GitHub's rule: lower case, punctuation dropped, spaces to hyphens.
+    out = set()
+    for line in md.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"#+\s+(.*)", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+def test_markdown_links_resolve():
+    bad = []
+    for md in _tracked("*.md"):
+        text = re.sub(r"```.*?```", "", md.read_text(encoding="utf-8"), flags=re.S)  # code blocks hold no links
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            url = m.group(1)
+            if re.match(r"[a-z]+:", url):
+                continue
+            path, _, frag = url.partition("#")
+            target = (md.parent / path).resolve() if path else md
+            rel = md.relative_to(ROOT)
+            if not target.exists():
+                bad.append(f"{rel}: {url} does not exist")
+            elif frag and target.suffix == ".md" and frag not in _anchors(target):
+                bad.append(f"{rel}: no heading #{frag} in {path or rel}")
+    assert not bad, "\n".join(bad)
+
+
+# What a reader cannot follow: the old lab log, a style guide kept outside the repository, numbered issues.
+# (A lab-log version tag reads "(v20)"; "[v0, v1)" is an interval.)
+_CITATIONS = re.compile(r"notes/linear_head|STYLE\.md|\b[Ii]ssue\s+#?\d{1,2}\b|\(v(?:[1-9]|1\d|2[01])\)")
+
+
+def test_no_citations_a_reader_cannot_follow():
+    bad = []
+    for f in _tracked("*.md", "*.py", "*.toml", "*.cfg", ".ci/*"):
+        if f.resolve() == Path(__file__).resolve():
+            continue
+        for i, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if _CITATIONS.search(line):
+                bad.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()[:120]}")
+    assert not bad, "\n".join(bad)
