@@ -1124,3 +1124,31 @@ def test_workspace_chunks_capped_at_wide(tune):
         assert max(widths["ws"], widths["default"]) <= max(cfg.wide, default_cols), (n, widths)
         assert lh_plans._scratch_cols(n, 2, cfg.block_v, False, 256 << 20, cfg.wide) == max(
             min(cfg.wide, (256 << 20) // (2 * n)) // cfg.block_v * cfg.block_v, default_cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_heads_keep_dz_in_float32(dtype):
+    """Below Tuning.narrow_d features the half-precision backward is the float32 backward of the same numbers, cast
+    back (bitwise), and closer to the float64 truth than with dL/dz rounded to the input dtype."""
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 37, 3, 131
+    x = (torch.randn(n, d, generator=g) * 3).to(dtype)
+    w = torch.randn(v, d, generator=g).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+
+    def grads_of(xx, ww, **kw):
+        xx, ww = xx.clone().requires_grad_(), ww.clone().requires_grad_()
+        logitless.linear_cross_entropy(xx, ww, t, z_loss=1e-3, backend="triton", **kw).backward()
+        return xx.grad, ww.grad
+
+    gx, gw = grads_of(x, w)
+    fx, fw = grads_of(x.float(), w.float())
+    assert gx.dtype == dtype and torch.equal(gx, fx.to(dtype)) and torch.equal(gw, fw.to(dtype))
+    from logitless.kernels import tuning
+
+    with tuning(narrow_d=0):  # dL/dz in the input dtype
+        hx, hw = grads_of(x, w)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    testing.naive_linear_cross_entropy(x64, w64, t, z_loss=1e-3).backward()
+    err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert err(gx, x64.grad) <= err(hx, x64.grad) and err(gw, w64.grad) <= err(hw, w64.grad)

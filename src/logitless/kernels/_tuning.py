@@ -48,6 +48,11 @@ class Tuning:
     # The forward writes the stash through a tensor descriptor (the copy engine) where its operands use them and
     # the stash's rows are 16-byte aligned (N % 8 == 0); else with pointer stores.
     stash_tma: bool = True
+    # Below this many features, a half-precision backward runs on float32 copies of x and W: there the products
+    # cost next to nothing beside the dz pass, and dL/dz rounded to bf16 / fp16 before them is the whole error,
+    # which a sum over a few nearly cancelling terms amplifies (D = 1 and 3: 2-4 x PyTorch's own error, found by
+    # fuzzing). The copies take (N + 2 V) D float32 numbers.
+    narrow_d: int = 32
     # Every output and workspace starts as NaN, so an element that is never written shows up (tests).
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).

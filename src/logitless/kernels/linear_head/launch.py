@@ -89,6 +89,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     N, D = x.shape
     V = w.shape[0]
     need_db = bool(need_db and b is not None)
+    if x.dtype != torch.float32 and 0 < D < current_tuning().narrow_d:
+        return _narrow_backward(x, w, b, target, class_w, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
+                                need_db, perm, workspace_bytes, stash)
     lay = None
     if stash is not None:
         lay = plans.stash_layout(x, w, need_dx, workspace_bytes)
@@ -107,6 +110,20 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     if db is not None and perm is not None:
         db = db[torch.argsort(perm)]  # position order -> class order
     return dx, dw, None if db is None else db.to(b.dtype)
+
+
+def _narrow_backward(x, w, b, target, class_w, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
+                     perm, workspace_bytes, stash):
+    """backward at D < Tuning.narrow_d for half-precision inputs: on float32 copies (dL/dz kept in float32 for the
+    products), gradients cast back to the inputs' dtypes. No skipping (tile_lse follows the half-precision tiles,
+    and there is no product worth skipping); a stash is used up by writing dW into it."""
+    b32 = None if b is None else b.float()
+    dx, dw, db = backward(x.float(), w.float(), b32, target, class_w, m, logs, A, B, C, E, softcap=softcap,
+                          inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
+                          workspace_bytes=workspace_bytes)
+    if dw is not None:
+        dw = stash.copy_(dw) if stash is not None else dw.to(w.dtype)
+    return (None if dx is None else dx.to(x.dtype), dw, None if db is None else db.to(b.dtype))
 
 
 class _Backward:
