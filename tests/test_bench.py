@@ -224,7 +224,8 @@ def test_plots_need_no_plotting_library(tmp_path, monkeypatch):
 
 def test_svg_axes_ticks_and_missing_bars():
     # Log ticks cover the range in 1-2-5 steps; a bar with no value (a failed provider) is left out, not drawn at 0.
-    assert [v for v, _ in svg.ticks(0.03, 0.4, log=True)] == [0.05, 0.1, 0.2]
+    assert [s for _, s in svg.ticks(0.03, 2.0, log=True)] == ["0.05", "0.1", "0.2", "0.5", "1", "2"]
+    assert [s for _, s in svg.ticks(0.003, 400.0, log=True)] == ["0.01", "0.1", "1", "10", "100"]
     assert [s for _, s in svg.ticks(0.0, 546.0, log=False)] == ["0", "100", "200", "300", "400", "500"]
     p = svg.Panel("t <&>", "ms", ["a", "b"], {"p": [3.0, None], "q": [None, None]}, [1.0, None], log=True)
     root = ET.fromstring(svg.figure([[p]], {"p": "#000000", "q": "#111111"}, "floor"))

@@ -42,13 +42,14 @@ def _fmt(v: float, step_exp: int) -> str:
 
 def ticks(lo: float, hi: float, log: bool) -> list[tuple[float, str]]:
     """Tick values and labels within [lo, hi]: multiples of 1, 2 or 5 times a power of ten (about six of them)
-    on a linear axis; powers of ten on a log axis, with 2x and 5x added when the range spans two decades or less,
-    and more steps within one."""
+    on a linear axis; powers of ten on a log axis, with 2x and 5x added when the range spans up to 2.5 decades,
+    and more steps within about one."""
     if log:
         e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
         every = max(1, math.ceil((e1 - e0) / 8))
-        mults = (1, 1.5, 2, 3, 5, 7) if e1 - e0 <= 1 else (1, 2, 5) if e1 - e0 <= 2 else (1,)
-        out = [(m * 10.0**e, _fmt(m * 10.0**e, e - (m != int(m)))) for e in range(e0, e1 + 1) if e % every == 0
+        span = math.log10(hi / lo)
+        mults = (1, 2, 3, 5, 7) if span <= 1.2 else (1, 2, 5) if span <= 2.5 else (1,)
+        out = [(m * 10.0**e, _fmt(m * 10.0**e, e)) for e in range(e0, e1 + 1) if e % every == 0
                for m in mults]
     else:
         raw = (hi - lo) / 6
