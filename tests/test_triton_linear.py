@@ -239,8 +239,15 @@ WORKSPACES = {
 }
 
 
-@pytest.mark.parametrize("products", ["kernel", "kernel-tma", "torch"])
-@pytest.mark.parametrize("name", list(WORKSPACES))
+# slow: the descriptor and torch-product variants of the larger arrangements; the quick run keeps every arrangement
+# with the kernel's products and both other variants on the small arrangements (and test_tensor_descriptors).
+LARGE_WORKSPACES = {"alias_split_k", "second_pass_tail_split", "first_pass_split", "wide_chunks", "own_acc",
+                    "wide_scratch"}
+
+
+@pytest.mark.parametrize("name,products", [
+    pytest.param(n, p, marks=pytest.mark.slow if p != "kernel" and n in LARGE_WORKSPACES else ())
+    for n in WORKSPACES for p in ("kernel", "kernel-tma", "torch")])
 def test_backward_workspaces(name, products, monkeypatch):
     # products: the gradient products by _dgrad_kernel, reading dz, x and W through descriptors where the workspace
     # is aligned ("kernel-tma") or not, or by torch's matmuls (on the CPU in float32; cuBLAS on CUDA)
