@@ -852,9 +852,13 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
 # through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
 # and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
+# slow: the three larger arrangements; their plans run in the quick run in test_backward_workspaces, and skipping
+# through a vocabulary order in the five smaller ones here.
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
-                                        ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none"),
-                                        ("own_acc", "counts"), ("wide_scratch", "counts")])
+                                        ("dw_only", "batch"), ("small_vocab", "batch"),
+                                        pytest.param("wide_chunks", "none", marks=pytest.mark.slow),
+                                        pytest.param("own_acc", "counts", marks=pytest.mark.slow),
+                                        pytest.param("wide_scratch", "counts", marks=pytest.mark.slow)])
 def test_skip_workspaces(name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     wide, orders, second = [], [], []
