@@ -852,8 +852,8 @@ def test_vocab_order_groups_hot_classes(monkeypatch, small_tiles):
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
 # through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
 # and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
-# slow: the three larger arrangements; their plans run in the quick run in test_backward_workspaces, and skipping
-# through a vocabulary order in the five smaller ones here.
+# slow: the three larger arrangements; the quick run keeps their plans (test_backward_workspaces), skipping in the
+# vocabulary's own order (the skip tests above) and skipping through an order in the five smaller ones here.
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
                                         ("dw_only", "batch"), ("small_vocab", "batch"),
                                         pytest.param("wide_chunks", "none", marks=pytest.mark.slow),
