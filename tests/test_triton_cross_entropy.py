@@ -71,9 +71,12 @@ def test_in_place_lag_follows_dram_bandwidth(monkeypatch, bandwidth, expected):
     assert kce.inplace_lag_bytes(torch.device("cpu")) == DEFAULT.ce_inplace_lag_bytes
 
 
-@pytest.mark.parametrize("v,tiles", [(1000, 2), (500, 2), (1000, 4)])
-@pytest.mark.parametrize("lag_bytes", [None, 1, 7 * 256 * 4, 1 << 30])
-@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype", [g[:6] for g in GRID[1::2]])
+# slow: the quick run keeps every lag and tiling with the first options row, and every options row with every lag
+# at V = 1000 in 2 tiles; the full run crosses all three.
+@pytest.mark.parametrize("reduction,smoothing,z_loss,softcap,class_w,dtype,lag_bytes,v,tiles", [
+    pytest.param(*g[:6], lag, v, tiles, marks=() if k == 0 or (v, tiles) == (1000, 2) else pytest.mark.slow)
+    for k, g in enumerate(GRID[1::2]) for lag in (None, 1, 7 * 256 * 4, 1 << 30)
+    for v, tiles in ((1000, 2), (500, 2), (1000, 4))])
 def test_in_place_lag(small_tiles, tune, v, tiles, lag_bytes, reduction, smoothing, z_loss, softcap, class_w,
                       dtype):
     # The in-place gradient of rows longer than one tile, in the same launch `lag` work units behind the statistics

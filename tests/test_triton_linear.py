@@ -244,8 +244,15 @@ WORKSPACES = {
 }
 
 
-@pytest.mark.parametrize("products", ["kernel", "kernel-tma", "torch"])
-@pytest.mark.parametrize("name", list(WORKSPACES))
+# slow: the descriptor and torch-product variants of the larger arrangements; the quick run keeps every arrangement
+# with the kernel's products and both other variants on the small arrangements (and test_tensor_descriptors).
+LARGE_WORKSPACES = {"alias_split_k", "second_pass_tail_split", "first_pass_split", "wide_chunks", "own_acc",
+                    "wide_scratch"}
+
+
+@pytest.mark.parametrize("name,products", [
+    pytest.param(n, p, marks=pytest.mark.slow if p != "kernel" and n in LARGE_WORKSPACES else ())
+    for n in WORKSPACES for p in ("kernel", "kernel-tma", "torch")])
 def test_backward_workspaces(tune, name, products, monkeypatch):
     # products: the gradient products by _dgrad_kernel, reading dz, x and W through descriptors where the workspace
     # is aligned ("kernel-tma") or not, or by torch's matmuls (on the CPU in float32; cuBLAS on CUDA)
@@ -848,9 +855,13 @@ def test_vocab_order_groups_hot_classes(tune, small_tiles):
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
 # through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
 # and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
+# slow: the three larger arrangements; the quick run keeps their plans (test_backward_workspaces), skipping in the
+# vocabulary's own order (the skip tests above) and skipping through an order in the five smaller ones here.
 @pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
-                                        ("dw_only", "batch"), ("small_vocab", "batch"), ("wide_chunks", "none"),
-                                        ("own_acc", "counts"), ("wide_scratch", "counts")])
+                                        ("dw_only", "batch"), ("small_vocab", "batch"),
+                                        pytest.param("wide_chunks", "none", marks=pytest.mark.slow),
+                                        pytest.param("own_acc", "counts", marks=pytest.mark.slow),
+                                        pytest.param("wide_scratch", "counts", marks=pytest.mark.slow)])
 def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     wide, orders, second = [], [], []

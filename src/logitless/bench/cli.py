@@ -59,7 +59,7 @@ defaults: on a GPU all jobs at the model presets of their targets, bf16, both da
 provider but the opt-in variants. On a CPU a small run (about a minute on two cores): cpu-small, fp32, lm
 data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
 torch-lce and the Triton peers, run there only when named in --providers).
-outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.png
+outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.svg
 """
 
 
@@ -110,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None,
                     help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
     ap.add_argument("--out", default="bench-out", metavar="DIR",
-                    help="folder for the table, JSON, CSV and PNG files (default: %(default)s); they replace "
+                    help="folder for the table, JSON, CSV and SVG files (default: %(default)s); they replace "
                          "files of the same names there only once all are written, so a run that fails or is "
                          "interrupted leaves the folder as it was")
-    ap.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+    ap.add_argument("--no-plots", action="store_true", help="do not write the SVG plots")
     ap.add_argument("--check-rows", type=int, default=None, metavar="K",
                     help="rows of the batch on which each provider is checked against float64 "
                          "(default: 1024 on a GPU, 256 on a CPU)")
@@ -317,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write_csv(result, os.path.join(args.out, "results.csv"), opener=files.open)
         written = ["table.txt", "table.md", "results.json", "results.csv"]
         if not args.no_plots:
-            try:
-                written += [os.path.basename(p) for p in report.write_plots(result, args.out, opener=files.open)]
-            except ImportError as e:
-                print(f"plots skipped: {e} (pip install matplotlib, or the package's [bench] extra)")
+            written += [os.path.basename(p) for p in report.write_plots(result, args.out, opener=files.open)]
     print(f"wrote {', '.join(written)} to {args.out}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Outputs of a run: the terminal table (also saved as Markdown), results.json, results.csv and one PNG per job."""
+"""Outputs of a run: the terminal table (also saved as Markdown), results.json, results.csv and one SVG plot per job."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import os
 
 from . import cases as C
+from . import svg
 from .runner import Result, Run
 
 STATUS_SHORT = {"ok": "ok", "failed check": "FAIL", "error": "error", "OOM": "OOM", "too slow": "slow",
@@ -163,15 +164,11 @@ def _value(results: list[Result], provider: str, shape: str, phase: str, fld: st
 
 
 def write_plots(run: Run, out_dir: str, opener=open) -> list[str]:
-    """One PNG per job: time and peak memory of the headline phase, per shape (groups) and provider (bars).
-    The dense floor is drawn as a dashed line across each group on the time panel and left off the memory panel
-    (its memory is that of its own outputs, which says nothing). `opener(path, mode)` opens each file (the
-    CLI's writes to a temporary file renamed into place when the whole run has succeeded)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """One SVG per job: time and peak memory of the headline phase, per shape (groups) and provider (bars), one row
+    of two panels per dtype and data kind. The dense floor is drawn as a dashed line across each group on the time
+    panel and left off the memory panel (its memory is that of its own outputs, which says nothing). The memory
+    axis is logarithmic, the time axis when its values span more than 20x. `opener(path, mode)` opens each file
+    (the CLI's writes to a temporary file renamed into place when the whole run has succeeded)."""
     paths = []
     for job in C.ALL_JOBS:
         rs = [r for r in run.results if r.case.job == job]
@@ -180,51 +177,28 @@ def write_plots(run: Run, out_dir: str, opener=open) -> list[str]:
         phase = C.PHASES[job][0]
         kinds = list(dict.fromkeys((r.case.dtype, r.case.data) for r in rs))
         names = [p for p in dict.fromkeys(r.provider for r in rs) if p != "floor"]
-        colors = {p: plt.get_cmap("tab10")(k % 10) for k, p in enumerate(names)}  # one colour per provider
-        fig, axes = plt.subplots(len(kinds), 2, figsize=(14, 3.8 * len(kinds)), squeeze=False)
-        for row, (dtype, kind) in enumerate(kinds):
+        colors = {p: svg.PALETTE[k % len(svg.PALETTE)] for k, p in enumerate(names)}  # one colour per provider
+        rows, floor_drawn = [], False
+        for dtype, kind in kinds:
             sub = [r for r in rs if (r.case.dtype, r.case.data) == (dtype, kind)]
             shapes = list(dict.fromkeys(r.case.shape.name for r in sub))
             provs = [p for p in colors if any(r.provider == p for r in sub)]
-            width = 0.8 / max(1, len(provs))
-
-            for col, (fld, ylabel) in enumerate((("total_ms", f"{phase}: median time, ms"),
-                                                 ("peak_bytes", f"{phase}: peak MiB above inputs+outputs"))):
-                ax = axes[row][col]
-                shown = []
-                for k, prov in enumerate(provs):
-                    xs, ys = [], []
-                    for j, sh in enumerate(shapes):
-                        v = _value(sub, prov, sh, phase, fld)
-                        if v is None:
-                            continue
-                        xs.append(j + (k - (len(provs) - 1) / 2) * width)
-                        ys.append(max(C.mib(v), 0.01) if fld == "peak_bytes" else v)
-                    bars = ax.bar(xs, ys, width=width, label=prov, color=colors[prov])
-                    ax.bar_label(bars, labels=[_num(y) for y in ys], fontsize=6, rotation=90, padding=2)
-                    shown += ys
-                if fld == "total_ms":
-                    for j, sh in enumerate(shapes):
-                        v = _value(sub, "floor", sh, phase, fld)
-                        if v is not None:
-                            ax.hlines(v, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
-                                      label="dense floor" if j == 0 else None)
-                            shown.append(v)
-                positive = [y for y in shown if y > 0]
-                if fld == "peak_bytes" or (positive and max(positive) / min(positive) > 20):
-                    ax.set_yscale("log")
-                ax.margins(y=0.25)
-                ax.set_xticks(range(len(shapes)))
-                ax.set_xticklabels(shapes, fontsize=8)
-                ax.set_ylabel(ylabel, fontsize=8)
-                ax.set_title(f"{job}, {dtype}, data={kind}", fontsize=9)
-                ax.grid(axis="y", alpha=0.3)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
-        fig.tight_layout(rect=(0, 0.05 if len(kinds) > 1 else 0.09, 1, 1))
-        path = os.path.join(out_dir, f"bench_{job}.png")
-        with opener(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-        plt.close(fig)
+            row = []
+            for fld, ylabel in (("total_ms", f"{phase}: median time, ms"),
+                                ("peak_bytes", f"{phase}: peak MiB above inputs+outputs")):
+                series = {}
+                for prov in provs:
+                    vs = [_value(sub, prov, sh, phase, fld) for sh in shapes]
+                    series[prov] = [v if v is None or fld == "total_ms" else max(C.mib(v), 0.01) for v in vs]
+                lines = [_value(sub, "floor", sh, phase, fld) for sh in shapes] if fld == "total_ms" else []
+                floor_drawn |= any(v is not None for v in lines)
+                positive = [v for vs in [*series.values(), lines] for v in vs if v is not None and v > 0]
+                log = fld == "peak_bytes" or bool(positive and max(positive) / min(positive) > 20)
+                labels = [["" if v is None else _num(v) for v in vs] for vs in series.values()]
+                row.append(svg.Panel(f"{job}, {dtype}, data={kind}", ylabel, shapes, series, lines, log, labels))
+            rows.append(row)
+        path = os.path.join(out_dir, f"bench_{job}.svg")
+        with opener(path, "w") as f:
+            f.write(svg.figure(rows, colors, "dense floor" if floor_drawn else None))
         paths.append(path)
     return paths
