@@ -190,6 +190,7 @@ REAL_256 = {
 GAP = {("identity", 0): 20.0}
 
 
+@pytest.mark.slow  # the calibration at the real head's size; the generator's own tests stay in the quick run
 def test_lm_generator_matches_the_real_head():
     s = data.skip_stats(*data.lm_like(256, 128, 262144, dtype=torch.float32, seed=1, calib_rows=32)[:3])
     for order in ("identity", "sorted"):

@@ -435,19 +435,26 @@ _NO_INTERPRETER = pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_IN
                                           "without a GPU); tools/gpu_distributed.py covers the GPU")
 
 
+# slow (left out of the quick run, `-m "not slow"`; the full suite runs everything): the three-rank groups, each a
+# group of processes of its own; the quick run keeps every case at two ranks.
+_THREE_RANKS = pytest.mark.slow
+
+
 @pytest.mark.parametrize("case,world", [
-    pytest.param(c, w, marks=() if INTERPRETER or "backend" not in spec[3] else _NO_INTERPRETER)
+    pytest.param(c, w, marks=(() if INTERPRETER or "backend" not in spec[3] else (_NO_INTERPRETER,))
+                 + ((_THREE_RANKS,) if w == 3 else ()))
     for c, spec in CASES.items() for w in spec[3].get("worlds", (2, 3))
 ])
 def test_matches_single_process(case, world):
     _assert_ok("grid", world, case)
 
 
-@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("world", (2, pytest.param(3, marks=_THREE_RANKS)))
 def test_bad_inputs_raise_on_every_rank(world):
     _assert_ok("grid", world, "errors")
 
 
+@_THREE_RANKS
 def test_dtensor_tensor_parallel_head():
     _assert_ok("grid", 3, "dtensor_tp")
 
@@ -460,12 +467,14 @@ def _fsdp2_available():
     return True
 
 
+@pytest.mark.slow  # a four-rank group of its own; the quick run keeps the two-rank grid
 def test_ddp_with_tensor_parallel_head():
     _assert_ok("parallel", 4, "ddp")
 
 
 @pytest.mark.skipif(not _fsdp2_available(), reason="this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
 @pytest.mark.parametrize("kind", ("fsdp2_inside_forward", "fsdp2_sharded_outside_forward"))
+@pytest.mark.slow  # the same four-rank group as the DDP test
 def test_fsdp2_with_tensor_parallel_head(kind):
     _assert_ok("parallel", 4, kind)
 

@@ -133,6 +133,7 @@ def test_module_matches_function():
     assert "label_smoothing=0.1" in repr(mod)
 
 
+@pytest.mark.slow  # torch.compile's tracing and code generation; the quick run keeps the eager paths
 def test_torch_compile_fullgraph():
     x, w, b, t = make_case(torch.float32, bias=True)
 

@@ -269,6 +269,7 @@ def test_gpu_fused_extreme_and_repeatable():
             check(z, t, inplace=False)
 
 
+@pytest.mark.slow  # torch.compile's tracing and code generation; the quick run keeps the eager paths
 def test_torch_compile_fullgraph():
     # The launches are torch.library ops, so the whole call traces into one graph, in place or not.
     z, t = make(6, 300, torch.float32)

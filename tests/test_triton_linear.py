@@ -683,6 +683,7 @@ def test_deterministic_bitwise():
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
 
 
+@pytest.mark.slow  # torch.compile's tracing and code generation; the quick run keeps the eager paths
 def test_torch_compile_fullgraph():
     # The custom ops (and their fake and autograd registrations) let dynamo trace the whole loss in one graph.
     x, w, b, t = case(torch.float32, bias=True)
