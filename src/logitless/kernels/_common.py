@@ -62,3 +62,22 @@ def new_buffer(shape, **kw) -> torch.Tensor:
     """torch.empty, or filled with NaN under Tuning.debug_poison (an element never written then shows up)."""
     t = torch.empty(shape, **kw)
     return t.fill_(float("nan")) if current_tuning().debug_poison and t.is_floating_point() else t
+
+
+def gradient_buffers(x: torch.Tensor, w: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool,
+                     dw: torch.Tensor | None = None):
+    """A head backward's outputs (dx, dW, db), None where not wanted: dx and dW in the inputs' dtypes (dW is `dw`
+    when given: the forward's stash), db in float32 until the caller casts it. Empty (N = 0 or D = 0) heads get
+    them zeroed at once: the returned flag says so."""
+    N, D = x.shape
+    V = w.shape[0]
+    dx = new_buffer((N, D), device=x.device, dtype=x.dtype) if need_dx else None
+    if dw is None and need_dw:
+        dw = new_buffer((V, D), device=x.device, dtype=w.dtype)
+    db = new_buffer(V, device=x.device, dtype=torch.float32) if need_db else None
+    empty = N == 0 or D == 0
+    if empty:
+        for g in (dx, dw, db):
+            if g is not None:
+                g.zero_()
+    return dx, dw, db, empty

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, new_buffer, num_sms
+from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, gradient_buffers, new_buffer, num_sms
 from ._device import LOG2E, cast, exp, mma
 from ._tuning import current_tuning
 from .linear_head import plans
@@ -431,13 +431,8 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     N, D = xs.shape
     V = ws.shape[0]
     need_db = bool(need_db and bs is not None)
-    dx = new_buffer((N, D), device=xs.device, dtype=xs.dtype) if need_dx else None
-    dw = new_buffer((V, D), device=xs.device, dtype=ws.dtype) if need_dw else None
-    db = new_buffer(V, device=xs.device, dtype=torch.float32) if need_db else None
-    if N == 0 or D == 0:
-        for t in (dx, dw, db):
-            if t is not None:
-                t.zero_()
+    dx, dw, db, empty = gradient_buffers(xs, ws, need_dx, need_dw, need_db)
+    if empty:
         return dx, dw, None if db is None else db.to(bs.dtype)
     cfg = _dz_config(xs)
     ws_plan = plans._workspace(N, V, D, xs.element_size(), workspace_bytes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import INTERPRETER_SMS_FORWARD, cdiv, new_buffer, num_sms
+from .._common import INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
 from .._tuning import current_tuning
 from . import backward_kernels as bk
 from . import configs, plans, products
@@ -96,14 +96,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     if stash is not None:
         lay = plans.stash_layout(x, w, need_dx, workspace_bytes)
         assert need_dw and lay is not None and stash.shape == (V, D) and stash.dtype == w.dtype
-    dx = new_buffer((N, D), device=x.device, dtype=x.dtype) if need_dx else None
-    dw = stash if stash is not None else new_buffer((V, D), device=x.device, dtype=w.dtype) if need_dw else None
-    # db in vocabulary positions until the end
-    db = new_buffer(V, device=x.device, dtype=torch.float32) if need_db else None
-    if N == 0 or D == 0:
-        for g in (dx, dw, db):
-            if g is not None:
-                g.zero_()
+    # (db in vocabulary positions until the end)
+    dx, dw, db, empty = gradient_buffers(x, w, need_dx, need_dw, need_db, dw=stash)
+    if empty:
         return dx, dw, None if db is None else db.to(b.dtype)
     _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E), softcap, inv_temp, perm, tile_lse,
               float(skip_threshold), workspace_bytes, dx, dw, db, lay).run(need_dx, need_dw, need_db)
