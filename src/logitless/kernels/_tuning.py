@@ -52,7 +52,7 @@ class Tuning:
     # cost next to nothing beside the dz pass, and dL/dz rounded to bf16 / fp16 before them is the whole error,
     # which a sum over a few nearly cancelling terms amplifies (D = 1 and 3: 2-4 x PyTorch's own error, found by
     # fuzzing). The copies take (N + 2 V) D float32 numbers.
-    narrow_d: int = 32
+    narrow_d: int = 8
     # Every output and workspace starts as NaN, so an element that is never written shows up (tests).
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).
