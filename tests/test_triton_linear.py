@@ -244,14 +244,18 @@ WORKSPACES = {
 }
 
 
-# slow: the descriptor and torch-product variants of the larger arrangements; the quick run keeps every arrangement
-# with the kernel's products and both other variants on the small arrangements (and test_tensor_descriptors).
+# slow (the full suite runs them all): the descriptor and torch-product variants of the larger arrangements, and
+# the three largest altogether (7-14 s each under the interpreter); the quick run keeps the other arrangements with
+# the kernel's products, both other variants on the small ones (and test_tensor_descriptors), and
+# test_skip_workspaces' wide and split plans.
 LARGE_WORKSPACES = {"alias_split_k", "second_pass_tail_split", "first_pass_split", "wide_chunks", "own_acc",
                     "wide_scratch"}
+LARGEST_WORKSPACES = {"second_pass_tail_split", "first_pass_split", "wide_chunks"}
 
 
 @pytest.mark.parametrize("name,products", [
-    pytest.param(n, p, marks=pytest.mark.slow if p != "kernel" and n in LARGE_WORKSPACES else ())
+    pytest.param(n, p, marks=pytest.mark.slow if n in LARGEST_WORKSPACES or (p != "kernel" and n in LARGE_WORKSPACES)
+                 else ())
     for n in WORKSPACES for p in ("kernel", "kernel-tma", "torch")])
 def test_backward_workspaces(tune, name, products, monkeypatch):
     # products: the gradient products by _dgrad_kernel, reading dz, x and W through descriptors where the workspace
