@@ -159,13 +159,7 @@ def _liger_z_loss(lse, valid, z, reduction):
 
 def _liger_head_torch(x, w, b, t, cw, ignore_index, z, ls, reduction, softcap):
     """Liger's reference semantics in PyTorch ops, in the dtype of x: (total loss, z-loss term)."""
-    logits = F.linear(x, w, b)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    ce = F.cross_entropy(logits, t, weight=None if cw is None else cw.to(logits.dtype), ignore_index=ignore_index,
-                         label_smoothing=ls, reduction=reduction)
-    zl = _liger_z_loss(torch.logsumexp(logits, -1), t != ignore_index, z, reduction)
-    return ce + zl, zl
+    return _liger_ce_torch(F.linear(x, w, b), t, cw, ignore_index, ls, z, reduction, softcap)
 
 
 def _liger_head_ours(x, w, b, t, cw, ignore_index, z, ls, reduction, softcap, backend):
