@@ -727,7 +727,8 @@ TAU = 2.0**-12  # the threshold that is safe for bf16/fp16 (skipping is off by d
 @pytest.fixture
 def small_tiles(tune):
     # These tests spell out tile maps for the interpreter's 32 x 64 tiles: on a GPU they run with those tiles too.
-    tune(linear_config=lh_configs.interpreter_config())
+    # Their maps are by the rows' own order: the plan's grouping of rows is tested on its own.
+    tune(linear_config=lh_configs.interpreter_config(), skip_group_rows=False)
 
 
 def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
@@ -825,11 +826,11 @@ def test_skip_bound_stops_skipping(tune, small_tiles):
     skipped = (p * cold_cols).sum(1)
     assert (skipped <= plan.row_bound.double() * (1 + 1e-4)).all() and (plan.row_bound <= TAU).all()
     assert all(plan.row_bound[i:i + 32].max() > 0.6 * TAU for i in (0, 32))  # each block's tightest row
-    tiles = torch.empty(lh.tile_grid(x, w), device=DEV)
+    tiles = torch.empty(lh.tile_grid(x, w), device=DEV, dtype=torch.float16)
     m, logs, *_ = lh.forward_stats(x, w, b, t, None, softcap=None, inv_temp=1.0, want_smooth=False,
                                    want_entropy=False, tile_lse=tiles)
     a = torch.ones_like(m)
-    loose = lh.skip_plan(tiles, m, logs, a, t, None, 300, 2 * TAU, 32, 64)
+    loose = lh.skip_plan(tiles, m, logs, a, t, None, 300, 2 * TAU, 32, 64, group_rows=False)
     assert (loose.hot.cpu()[:, 1:] == 0).all()  # with twice the budget, all four go
     # Skipped pairs are not computed: tile 1 is cold for every block, so its dW rows and bias gradient are exactly 0.
     assert (dw[64:128] == 0).all() and (db[64:128] == 0).all() and (dw[:64] != 0).any()
@@ -855,6 +856,114 @@ def test_vocab_order_groups_hot_classes(tune, small_tiles):
     expected = torch.zeros(2, 5, dtype=torch.uint8)
     expected[:, tiles] = 1
     assert torch.equal(plans[0].hot.cpu(), expected)
+
+
+def interleaved(dtype, n=64, d=24, v=300, seed=0):
+    """Rows alternate between two kinds: even rows hold their mass on classes of tile 0 alone, odd rows on classes
+    of tiles 1 and 3 (the interpreter's 64-class tiles). In the rows' own order every 32-row block needs tiles 0, 1
+    and 3; grouped by how many tiles they need, half the blocks need tile 0 alone and the others tiles 1 and 3."""
+    x0, w, t0 = peaked(torch.float32, [[1, 2, 3, 4]], n=n, d=d, v=v, seed=seed)
+    x1, _, t1 = peaked(torch.float32, [[70, 71, 200, 201]], n=n, d=d, v=v, seed=seed)
+    # (peaked gives both the same W: the hot classes 1-4, 70, 71, 200, 201 are unit vectors of distinct columns in
+    # each call's own numbering, so rebuild W for all eight)
+    hot = [1, 2, 3, 4, 70, 71, 200, 201]
+    g = torch.Generator().manual_seed(seed + 1)
+    w = torch.randn(v, d, generator=g) * (0.3 / d**0.5)
+    x = torch.randn(n, d, generator=g) * 0.1
+    t = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        cs = hot[:4] if i % 2 == 0 else hot[4:]
+        a, b, c = (cs[j] for j in torch.randperm(4, generator=g)[:3].tolist())
+        for cls, lift in ((a, 20.0), (b, 20.0), (c, 18.0)):
+            x[i, hot.index(cls)] += lift
+        t[i] = a
+    for k, c in enumerate(hot):
+        w[c] = 0.0
+        w[c, k] = 1.0
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV), t.to(DEV)
+
+
+def test_skip_groups_rows(tune, small_tiles):
+    # The plan groups rows by how many tiles they need: interleaved rows whose blocks share nothing cold in their own
+    # order share most of it once grouped. The gradients come back in the input's row order (checked against float64
+    # by skip_check) and every row keeps within its budget.
+    x, w, t = interleaved(torch.bfloat16)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    (own,) = plans
+    assert own.rows is None and own.hot[:, [0, 1, 3]].all()
+    tune(skip_group_rows=True)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    (grouped,) = plans
+    rows = grouped.rows.cpu()
+    assert torch.equal(rows.sort().values, torch.arange(64))
+    parity = (rows % 2).view(2, 32)  # each block holds one kind of row
+    assert (parity == parity[:, :1]).all() and parity[0, 0] != parity[1, 0]
+    hot = grouped.hot.cpu()
+    kinds = [hot[b] for b in range(2)]
+    need = {0: torch.tensor([1, 0, 0, 0, 0]), 1: torch.tensor([0, 1, 0, 1, 0])}
+    for b in range(2):
+        assert torch.equal(kinds[b], need[int(parity[b, 0])].to(torch.uint8))
+    assert int(grouped.hot.sum()) < int(own.hot.sum())
+    assert (grouped.row_bound <= TAU).all() and (grouped.row_bound > 0).any()
+
+
+def test_skip_auto_budget(tune, small_tiles):
+    # skip_threshold="auto": each row may lose 2^-12 max(1, |m_i|) of its mass in bfloat16 (2^-15 in float16), the
+    # rounding of its largest logit to the dtype over 8; float32 inputs skip nothing. Tile 4 holds 3 x 2^-12 of every
+    # row's mass (zero W rows and a bias): too much for the fixed 2^-12, within the budget of rows whose largest
+    # logit is ~20.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+    w[256:] = 0
+    lse = torch.logsumexp(x.double() @ w.double().T, 1)
+    b = torch.zeros(300, dtype=torch.float64, device=DEV)
+    b[256:] = lse.min() + math.log(3 * TAU / 44)
+    b = b.to(torch.bfloat16)
+    fixed, _ = skip_check(x, w, b, t, tune, skip_threshold=TAU)
+    auto, _ = skip_check(x, w, b, t, tune, skip_threshold="auto")
+    assert fixed[0].hot[:, 4].all() and not auto[0].hot[:, 4].any()
+    m = (x.double() @ w.double().T + b.double()).amax(1)
+    assert (auto[0].row_bound.double() <= 2.0**-12 * m.abs().clamp(min=1) * (1 + 1e-3)).all()
+    assert (auto[0].row_bound > 2 * TAU).all()
+    plans = []
+    tune(debug_plans=plans)
+    for dtype, none in ((torch.float16, False), (torch.float32, True)):
+        plans.clear()
+        x, w, t = peaked(dtype, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+        xo, wo = leaves(x, w)
+        grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold="auto", backend="triton"), [xo, wo])
+        assert (plans == []) == none
+
+
+def test_skip_bound_holds_when_cold_rows_align(tune, small_tiles):
+    # Adversarial: the skipped classes' W rows all point the same way, long (norm 40) and far from every x, so their
+    # mass is cold but each unit of it moves dx a long way, all in one direction. The error the skipping adds to
+    # each row of dx stays within the documented bound: row_bound_i |A_i| max_j ||w_j||.
+    n, d, v = 64, 24, 300
+    x, w, t = peaked(torch.float32, [[1, 2, 3, 4], [70, 71, 72, 73]], n=n, d=d, v=v)
+    x, w = x.cpu(), w.cpu()
+    u = torch.zeros(d)
+    u[-1] = 1.0
+    x[:, -1] = 0.2
+    cold = torch.tensor([c for c in range(v) if c not in (1, 2, 3, 4, 70, 71, 72, 73)])
+    w[cold] = 40.0 * u
+    # a cold class's logit is 8 = 40 x 0.2 against 20 for the top ones: ~e^-12 each, ~2e-3 of a row in all
+    x, w = x.to(torch.bfloat16).to(DEV), w.to(torch.bfloat16).to(DEV)
+    tau = 2.0**-8
+    out = {}
+    for name, thr in (("skip", tau), ("dense", 0.0)):
+        plans = []
+        tune(debug_plans=plans)
+        xo, wo = leaves(x, w)
+        out[name] = grads(logitless.linear_cross_entropy(xo, wo, t, reduction="sum", skip_threshold=thr,
+                                                         backend="triton"), [xo, wo])[0].double()
+        if thr:
+            (plan,) = plans
+    assert not plan.hot.all()
+    bound = plan.row_bound.double() * w.double().norm(dim=1).max()
+    diff = (out["skip"] - out["dense"]).norm(dim=1)
+    rounding = 2.0**-7 * out["dense"].norm(dim=1)  # the two bf16 results' own rounding
+    assert (diff <= bound + rounding + 1e-6).all()
+    assert (diff > rounding).any()  # the skipped mass does move dx, along u
 
 
 # Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
@@ -983,7 +1092,8 @@ def test_module_running_vocab_order():
 
 def test_bad_skip_options():
     x, w, _, t = case(torch.bfloat16)
-    for bad, err in ((-0.1, ValueError), (1.0, ValueError), ("0.1", TypeError), (True, TypeError)):
+    for bad, err in ((-0.1, ValueError), (1.0, ValueError), ("0.1", ValueError), ("Auto", ValueError),
+                     (b"auto", TypeError), (True, TypeError)):
         with pytest.raises(err, match="skip_threshold"):
             logitless.linear_cross_entropy(x, w, t, skip_threshold=bad, backend="triton")
     with pytest.raises(ValueError, match="skip_threshold"):

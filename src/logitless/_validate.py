@@ -230,11 +230,15 @@ def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tenso
 
 
 def check_skip_options(skip_threshold, vocab_order, num_classes: int | None, device) -> None:
-    """ValueError/TypeError for a bad skip_threshold (None or a float in [0, 1)) or vocab_order ("batch", "none",
-    or a (V,) tensor of per-class counts on the input's device; num_classes None: any tensor, checked later)."""
-    if skip_threshold is not None:
+    """ValueError/TypeError for a bad skip_threshold (None, "auto" or a float in [0, 1)) or vocab_order ("batch",
+    "none", or a (V,) tensor of per-class counts on the input's device; num_classes None: any tensor, checked later)."""
+    if isinstance(skip_threshold, str):
+        if skip_threshold != "auto":
+            raise ValueError(f"skip_threshold must be None, \"auto\" or a float in [0, 1), got {skip_threshold!r}")
+    elif skip_threshold is not None:
         if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)):
-            raise TypeError(f"skip_threshold must be None or a Python float, got {type(skip_threshold).__name__}")
+            raise TypeError(f"skip_threshold must be None, \"auto\" or a Python float, got "
+                            f"{type(skip_threshold).__name__}")
         if not 0.0 <= float(skip_threshold) < 1.0:
             raise ValueError(f"skip_threshold must be in [0, 1) (a fraction of each row's probability mass), "
                              f"got {skip_threshold}")

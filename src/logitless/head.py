@@ -31,6 +31,10 @@ __all__ = ["DEFAULT_SKIP_THRESHOLD", "HALF_SKIP_THRESHOLD", "Skip", "Stats", "ch
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
 HALF_SKIP_THRESHOLD = 2.0**-12
+# skip_threshold="auto": each row's budget is 1/8 of the rounding of its largest logit to the input dtype,
+# u max(1, |m_i|) / 8 with u = 2^-9 (bfloat16) or 2^-12 (float16): the rounding that sets PyTorch's own error in the
+# row's gradient (docs/kernels.md, "Sparsity"). Passed to the kernels as a negative threshold (plans.row_budget).
+AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-12, torch.float16: 2.0**-15}
 # What skip_threshold=None means: no skipping, for every dtype. Measured on an H200 (docs/kernels.md): on the
 # benchmark's LM-like data at most 0.6% of the (token block x tile) pairs are cold at HALF_SKIP_THRESHOLD, while the
 # bookkeeping costs up to 10% of fwd+bwd (15-22% with the batch vocabulary order), so skipping is opt-in.
@@ -38,11 +42,12 @@ DEFAULT_SKIP_THRESHOLD = 0.0
 
 
 class Skip(NamedTuple):
-    """What the backward may skip: at most `threshold` of each row's probability mass (None or 0: nothing), with the
+    """What the backward may skip: at most `threshold` of each row's probability mass (None or 0: nothing; "auto":
+    a budget per row from its largest logit, AUTO_SKIP_UNIT), with the
     vocabulary ordered by `vocab_order` ("none", "batch": this batch's target counts, or a (V,) tensor of counts);
     `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped then)."""
 
-    threshold: float | None = None
+    threshold: float | str | None = None
     vocab_order: str | torch.Tensor = "none"
     bounded: bool = True
 
@@ -78,10 +83,13 @@ def _skip_plan(x, w, b, target, skip: Skip, ignore_index, workspace_bytes):
     """(perm, want_tiles, threshold) for the Triton backend: tiles are recorded, and the vocabulary ordered, only
     when the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
     probability mass bounds, tiles that allow it). The order depends on the backward's workspace_bytes."""
-    tau = DEFAULT_SKIP_THRESHOLD if skip.threshold is None else float(skip.threshold)
+    if skip.threshold == "auto":
+        tau = -AUTO_SKIP_UNIT.get(x.dtype, 0.0)
+    else:
+        tau = DEFAULT_SKIP_THRESHOLD if skip.threshold is None else float(skip.threshold)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
     lh = triton_backend.kernels()
-    if not (tau > 0.0 and grads and skip.bounded and x.shape[0] > 0 and lh.skip_supported(x)):
+    if not (tau != 0.0 and grads and skip.bounded and x.shape[0] > 0 and lh.skip_supported(x)):
         return None, False, 0.0
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):

@@ -45,22 +45,22 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
     # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)
     bias = None if bias is None else bias.contiguous()
-    tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float32) if want_tiles else None
+    tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float16) if want_tiles else None
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = lh._new(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
     extra = {} if stash is None else {"stash": (stash, layout)}
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
     if tiles is None or x.shape[0] == 0:
-        tiles = x.new_empty(0, dtype=torch.float32)
+        tiles = x.new_empty(0, dtype=torch.float16)
     return (*stats, tiles, stash if stash is not None else weight.new_empty(0))
 
 
 @_stats_op.register_fake
 def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
       skip_threshold, workspace_bytes, want_stash, stash_dx):
-    tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float32)
-             if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float32))
+    tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float16)
+             if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
     return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash)

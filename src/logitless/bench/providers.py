@@ -177,6 +177,25 @@ def _logitless_workspace() -> Provider:
     )
 
 
+def _logitless_skip() -> Provider:
+    import logitless
+
+    base = _logitless("triton")
+
+    def train():
+        return lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold="auto")
+
+    def logprobs():
+        return lambda x, w, t: logitless.linear_log_probs(x, w, t, backend="triton", skip_threshold="auto")
+
+    return Provider(
+        name="logitless-triton-skip",
+        description="logitless, backend='triton', skip_threshold='auto' (cold tiles of the backward skipped)",
+        jobs={"train": train, "logprobs": logprobs}, unavailable=base.unavailable, cpu_default=False,
+        version=base.version,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PyTorch: eager, torch.compile, F.linear_cross_entropy
 
@@ -272,6 +291,7 @@ def _registry() -> list[Provider]:
     return [
         _logitless("triton"),
         _logitless_workspace(),
+        _logitless_skip(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
                  {job: functools.partial(lambda j: _EAGER[j], job) for job in _EAGER},

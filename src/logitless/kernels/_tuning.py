@@ -57,6 +57,10 @@ class Tuning:
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).
     debug_plans: list | None = None
+    # Skipping, the backward groups rows by how many tiles they need (plans.skip_plan) so that a token block's rows
+    # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
+    # False keeps the rows' own order (tests that place hot tiles by row).
+    skip_group_rows: bool = True
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

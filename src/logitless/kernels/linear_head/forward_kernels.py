@@ -72,10 +72,11 @@ def _fwd_step(
         m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
                                                     HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
     if RECORD_TILES:
-        # The tile's log-sum-exp per row (exact: m_new + log of its own sum), maxed over the block's rows. A
-        # sum that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
-        tile_lse = tl.where(row_ok, m_new + tl.log(e_sum), float("-inf"))
-        tl.store(tiles_out + pid_n.to(tl.int64) * n_vtiles + col0 // BLOCK_V, tl.max(tile_lse, axis=0))
+        # Each row's log-sum-exp over the tile (m_new + log of the tile's own sum), as float16 in the row's
+        # (N, n_vtiles) record: 2^-11 relative, which the plan widens upwards before it bounds a mass with it. A sum
+        # that underflows gives -inf: its classes hold < 1e-38 of the row's mass each.
+        tile_lse = m_new + tl.log(e_sum)
+        tl.store(tiles_out + rows * n_vtiles + col0 // BLOCK_V, tile_lse.to(tl.float16), mask=row_ok)
     if STASH:
         # Classes [0, n_stash) (whole tiles) keep their logits for the backward (stash_layout): z minus the
         # running max, <= 0, in float16 (2^-11 relative), class-major, and the max itself per row and tile.

@@ -27,7 +27,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
     if tile_lse is not None:
-        assert tile_lse.shape == (n_blocks, n_vtiles) and tile_lse.dtype == torch.float32
+        assert tile_lse.shape == (N, n_vtiles) and tile_lse.dtype == torch.float16
         assert tile_lse.is_contiguous()
     sms = num_sms(x.device, INTERPRETER_SMS_FORWARD)
     n_big, tiles_big, n_small, tiles_small = plans._fwd_layout(n_blocks, n_vtiles, sms, cfg.group, cfg.waves)
@@ -100,8 +100,26 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     dx, dw, db, empty = gradient_buffers(x, w, need_dx, need_dw, need_db, dw=stash)
     if empty:
         return dx, dw, None if db is None else db.to(b.dtype)
-    _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E), softcap, inv_temp, perm, tile_lse,
-              float(skip_threshold), workspace_bytes, dx, dw, db, lay).run(need_dx, need_dw, need_db)
+    sp = None
+    if (tile_lse is not None and skip_threshold != 0 and B is None and E is None and plans.skip_supported(x)
+            and N > 0):
+        cfg = config_for(x)
+        sp = plans.skip_plan(tile_lse, m, logs, A, target if C is not None else None, perm, V, skip_threshold,
+                             cfg.block_n, cfg.block_v, current_tuning().skip_group_rows)
+        sink = current_tuning().debug_plans
+        if sink is not None:
+            sink.append(sp)
+    rows = None if sp is None else sp.rows
+    if rows is not None:
+        # The plan's blocks are blocks of its row order: the backward runs on the rows in that order (copies of x
+        # and of the per-row vectors, O(N D)) and dx comes back to the input's order at the end.
+        def take(t):
+            return None if t is None else t.index_select(0, rows)
+        x, target, m, logs, A, C = (take(t) for t in (x, target, m, logs, A, C))
+    _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E), softcap, inv_temp, perm, sp, workspace_bytes, dx, dw,
+              db, lay).run(need_dx, need_dw, need_db)
+    if rows is not None and dx is not None:
+        dx = torch.empty_like(dx).index_copy_(0, rows, dx)
     if db is not None and perm is not None:
         db = db[torch.argsort(perm)]  # position order -> class order
     return dx, dw, None if db is None else db.to(b.dtype)
@@ -145,8 +163,8 @@ class _Backward:
     Nothing here synchronises with the host.
     """
 
-    def __init__(self, x, w, b, target, class_w, m, logs, coefs, softcap, inv_temp, perm, tile_lse, skip_threshold,
-                 workspace_bytes, dx, dw, db, lay):
+    def __init__(self, x, w, b, target, class_w, m, logs, coefs, softcap, inv_temp, perm, sp, workspace_bytes, dx, dw,
+                 db, lay):
         N, D = x.shape
         V = w.shape[0]
         self.x, self.w, self.b, self.target, self.class_w, self.m, self.logs = x, w, b, target, class_w, m, logs
@@ -157,9 +175,8 @@ class _Backward:
         self.cfg = cfg = config_for(x)
         self.has_perm = perm is not None
         # Chunks of whole tiles with skipping or a vocabulary order (chunk boundaries on the tiles of the map).
-        self.aligned = self.has_perm or tile_lse is not None
-        self.skip = (tile_lse is not None and skip_threshold > 0 and self.B is None and self.E is None
-                     and plans.skip_supported(x))
+        self.aligned = self.has_perm or sp is not None
+        self.skip = sp is not None
         self.ws = plans._workspace(N, V, D, x.element_size(), workspace_bytes,
                                    plans.acc_forced(x, dx is not None, dw is not None, N, V, D))
         self.plan = plans._plan(x, dx, dw, N, V, D, cfg, self.aligned, self.ws)
@@ -168,13 +185,7 @@ class _Backward:
         self.n_blocks = cdiv(N, cfg.block_n)
         self.n_vtiles = cdiv(V, cfg.block_v)
         self.sms = configs.backward_sms(x.device)
-        self.sp = None
-        if self.skip:
-            self.sp = plans.skip_plan(tile_lse, m, logs, self.A, target if self.C is not None else None, perm, V,
-                                      skip_threshold, cfg.block_n, cfg.block_v)
-            sink = current_tuning().debug_plans
-            if sink is not None:
-                sink.append(self.sp)
+        self.sp = sp
         self.lists = ((self.sp.list_n, self.sp.pre_n, self.sp.list_v, self.sp.pre_v) if self.skip
                       else (None,) * 4)
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)

@@ -34,9 +34,8 @@ def skip_supported(x: torch.Tensor) -> bool:
 
 
 def tile_grid(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
-    """(token blocks, vocabulary tiles) of the forward's tiles: the shape of forward_stats' tile_lse."""
-    cfg = config_for(x)
-    return cdiv(x.shape[0], cfg.block_n), cdiv(w.shape[0], cfg.block_v)
+    """(tokens, vocabulary tiles) of the forward's tiles: the shape of forward_stats' float16 tile_lse record."""
+    return x.shape[0], cdiv(w.shape[0], config_for(x).block_v)
 
 
 def _segments(N: int, V: int, D: int, elt: int, cfg: Config, ws: _Workspace) -> list[int]:
@@ -66,7 +65,8 @@ def vocab_order(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, workspac
 
 
 class SkipPlan(NamedTuple):
-    """Which (token block, tile) pairs of the forward's tiles the backward computes, and the lists its kernels walk."""
+    """Which (token block, tile) pairs of the forward's tiles the backward computes, and the lists its kernels walk.
+    The token blocks are blocks of the rows in the order `rows` (the identity when rows is None)."""
 
     hot: torch.Tensor  # (n_blocks, n_vtiles) uint8: 1 where the pair is computed
     list_n: torch.Tensor  # (n_blocks, n_vtiles) int32: per token block, its hot tiles first, ascending
@@ -74,47 +74,86 @@ class SkipPlan(NamedTuple):
     list_v: torch.Tensor  # (n_vtiles, n_blocks) int32: per tile, its hot token blocks first, ascending
     pre_v: torch.Tensor  # (n_vtiles, n_blocks + 1) int32: hot blocks of the tile before each block
     row_bound: torch.Tensor  # (N,) float32: bound on each row's skipped probability mass (0 where A = 0)
+    rows: torch.Tensor | None  # (N,) int64: row k of the backward's order is row rows[k] of the input; or None
 
 
-# Fixed-point unit of the skipped-mass sums: threshold / 2^20 (each bound rounded up). An integer running sum is
-# exact, so the plan, and the gradients, are the same on every run.
-_UNIT = float(1 << 20)
-_NEVER = 1 << 40
+# A row's float16 tile log-sum-exp u is within 2^-11 |u| of the float32 one: the plan widens it by this much (and
+# the float32 value by as much again) before bounding a mass with it.
+_WIDEN = 2.0**-10
+# Rows are grouped by how many tiles hold more than this fraction of their budget each (their "hot count").
+_HOT_FRACTION = 2.0**-6
+# Rows planned at a time: the plan's temporaries are a few (rows x tiles) float32 arrays.
+_PLAN_ROWS = 4096
 
 
-def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v) -> SkipPlan:
+def row_budget(m: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(N,) float32 mass each row may lose: threshold > 0 for every row; threshold < 0 scales |threshold| by the
+    row's logit magnitude max(1, |m_i|) (the rounding of a logit of that size to the input dtype is what sets
+    PyTorch's own error in the row's gradient: docs/kernels.md, "Sparsity")."""
+    if threshold > 0:
+        return torch.full_like(m, threshold)
+    return m.abs().clamp(min=1.0) * -threshold
+
+
+def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True) -> SkipPlan:
     """The cold pairs for the backward, on the device (no host sync).
 
-    Pair (b, t) holds, for each row i of block b, the probability mass sum_{j in t} p_ij <= exp(tile_lse[b, t] -
-    lse_i). Per block, tiles are skipped coldest first while the sum of their bounds stays <= threshold for the
-    block's smallest lse_i among rows with A_i != 0 (rows with A_i = 0 have no p term to lose); a tile holding a
-    row's target is never skipped (the one-hot term). So every row loses at most `threshold` of its mass, and each
-    gradient row at most threshold * |A_i| (docs/kernels.md)."""
-    B, T = tile_lse.shape
-    N = m.shape[0]
-    inf = float("inf")
-    lse = m + logs
+    tile_lse (N, T) float16 holds each row's log-sum-exp over each tile, so row i's probability mass in tile t is
+    at most r_it = exp(widened tile_lse[i, t] - lse_i). Rows with A_i = 0 have no p term to lose (r = 0); a tile
+    holding a row's target is never skipped for its block (the one-hot term). Each row i may lose tau_i
+    (row_budget) in total. With group_rows, rows are first sorted (stably) by the number of tiles that hold more than
+    _HOT_FRACTION of their budget, so that a block's rows share their cold tiles; the plan's blocks are blocks of
+    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest r_it / tau_i over
+    the block's rows while every row's running sum of r_it / tau_i stays <= 1. So every row loses at most tau_i of its
+    mass, and each gradient row at most tau_i |A_i| (docs/kernels.md)."""
+    N, T = tile_lse.shape
+    B = cdiv(N, block_n)
+    dev = m.device
+    lse = (m + logs).double()
+    tau = row_budget(m, threshold).double()
     active = A != 0
-    lse_act = torch.where(active, lse, torch.full_like(lse, inf))
-    low = torch.nn.functional.pad(lse_act, (0, B * block_n - N), value=inf).view(B, block_n).amin(1)  # (B,)
-    log_bound = tile_lse.double() - low.double()[:, None]  # -inf for a block with no active row: all cold
-    q = (torch.exp(log_bound) * (_UNIT / threshold)).nan_to_num(nan=inf).clamp(max=_NEVER).ceil().to(torch.int64)
+    tt = torch.full_like(m, -1, dtype=torch.int64)
     if target is not None:
         pos = target
         if perm is not None:
             pos = torch.argsort(perm)[target.clamp(0, V - 1)]
-        valid = (target >= 0) & (target < V)
-        tile = torch.where(valid, pos // block_v, T)
-        rows_block = torch.arange(N, device=m.device) // block_n
-        forced = torch.zeros(B * (T + 1), device=m.device, dtype=torch.bool)
-        forced.index_fill_(0, rows_block * (T + 1) + tile, True)
-        q = torch.where(forced.view(B, T + 1)[:, :T], _NEVER, q)
-    q_sorted, order = torch.sort(q, dim=1, stable=True)
-    cold = torch.zeros_like(q, dtype=torch.bool).scatter_(1, order, q_sorted.cumsum(1) <= _UNIT)
+        tt = torch.where((target >= 0) & (target < V), pos // block_v, -1)
+    cols = torch.arange(T, device=dev)
+
+    def rel(idx):
+        # r_it / tau_i of the rows idx, (len(idx), T) float32, +inf at the row's target tile; 0 for rows with A = 0.
+        u = tile_lse[idx].float()
+        u = u + u.abs() * _WIDEN
+        lo = lse[idx, None]
+        q = torch.exp(u.double() - lo + lo.abs() * 2.0**-20).div_(tau[idx, None]).float()
+        q = torch.where(cols[None, :] == tt[idx, None], float("inf"), q)
+        return torch.where(active[idx, None], q, 0.0)
+
+    def chunks(order, step):
+        for lo in range(0, N, step):
+            hi = min(lo + step, N)
+            yield lo, hi, (torch.arange(lo, hi, device=dev) if order is None else order[lo:hi])
+
+    rows = None
+    if group_rows and B > 1:
+        count = torch.cat([(rel(idx) > _HOT_FRACTION).sum(1) for _, _, idx in chunks(None, _PLAN_ROWS)])
+        rows = torch.sort(count, stable=True).indices
+    # Per block of (ordered) rows: the longest prefix of its tiles, sorted by their largest relative mass, that
+    # keeps every row's running sum within its budget.
+    cold = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    for lo, hi, idx in chunks(rows, max(1, _PLAN_ROWS // block_n) * block_n):
+        nb = cdiv(hi - lo, block_n)
+        q = torch.nn.functional.pad(rel(idx), (0, 0, 0, nb * block_n - (hi - lo))).view(nb, block_n, T)
+        order = torch.sort(q.amax(1), dim=1, stable=True).indices
+        run = torch.gather(q, 2, order[:, None, :].expand(nb, block_n, T)).cumsum(2).amax(1)
+        cold[lo // block_n: lo // block_n + nb].scatter_(1, order, run <= 1.0 - 2.0**-16)
     hot = ~cold
-    mass = torch.where(cold, torch.exp(log_bound), 0.0).sum(1)  # per block, in units of exp(-low)
-    blk = torch.arange(N, device=m.device) // block_n
-    row_bound = torch.where(active, mass[blk] * torch.exp(low.double()[blk] - lse.double()), 0.0).float()
+    # Each row's bound on its skipped mass, in input row order.
+    blk = torch.arange(N, device=dev) // block_n
+    if rows is not None:
+        blk = torch.empty_like(blk).index_copy_(0, rows, blk)
+    row_bound = torch.cat([(rel(idx).nan_to_num(posinf=0.0).double() * cold[blk[idx]]).sum(1) * tau[idx]
+                           for _, _, idx in chunks(None, _PLAN_ROWS)])
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(
@@ -123,7 +162,8 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         pad(hot.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
         torch.sort(cold_t, dim=1, stable=True).indices.to(torch.int32).contiguous(),
         pad((1 - cold_t).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
-        row_bound,
+        row_bound.float(),
+        rows,
     )
 
 
