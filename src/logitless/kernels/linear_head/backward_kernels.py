@@ -162,15 +162,22 @@ def _dw_tile(
             # (MAP_N // BLOCK_K reduction steps per token block)
             for s in range(s_lo * (MAP_N // BLOCK_K), s_hi * (MAP_N // BLOCK_K)):
                 blk = tl.load(list_ptr + t * n_blocks + s // (MAP_N // BLOCK_K)).to(tl.int64)
-                kk = blk * MAP_N + (s % (MAP_N // BLOCK_K)) * BLOCK_K + offs_k
-                k_ok = kk < k_hi
-                a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]), mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA:
-        # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no skipping, no order):
+                k0 = blk * MAP_N + (s % (MAP_N // BLOCK_K)) * BLOCK_K
+                if USE_TMA:
+                    # (a split ends on a token block, so a block's steps never reach past k_hi but past N: zeros)
+                    a = dzt_desc.load([k0.to(tl.int32), (pid_m * BLOCK_M).to(tl.int32)])
+                    b = x_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
+                    acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
+                else:
+                    kk = k0 + offs_k
+                    k_ok = kk < k_hi
+                    a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]),
+                                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
+                                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                    acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+    if USE_TMA and dense:
+        # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no order):
         # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
         # never reads into the next split.
         m0 = (pid_m * BLOCK_M).to(tl.int32)
@@ -240,16 +247,22 @@ def _dx_tile(
             # (MAP_V // BLOCK_K reduction steps per tile)
             for s in range(s_lo * (MAP_V // BLOCK_K), s_hi * (MAP_V // BLOCK_K)):
                 t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
-                kk = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K + offs_k  # chunk columns
-                k_ok = kk < n_vrows
-                a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
-                wr = kk
-                if HAS_PERM:
-                    wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
-                b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                k0 = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K  # chunk columns
+                if USE_TMA:
+                    # (columns past the chunk are zeros: both descriptors end there)
+                    a = dz_desc.load([row0.to(tl.int32), k0.to(tl.int32)])
+                    b = w_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
+                else:
+                    kk = k0 + offs_k
+                    k_ok = kk < n_vrows
+                    a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
+                    wr = kk
+                    if HAS_PERM:
+                        wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+                    b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
+                                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA:
+    if USE_TMA and dense:
         # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
         # past N, the chunk or D are zeros.
         r0 = row0.to(tl.int32)

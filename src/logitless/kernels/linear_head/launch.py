@@ -330,7 +330,7 @@ class _Backward:
         n_dw_tiles = n_out * splits if do_dw else 0
         wv = w if has_perm else w[v0:v1]
         descs = (None,) * 4
-        grad_tma = cfg.grad_tma and not (skip or has_perm) and tma_ok(dz, x, wv)
+        grad_tma = cfg.grad_tma and not has_perm and tma_ok(dz, x, wv)
         if grad_tma:
             kg, bm, bd = cfg.block_kg, cfg.block_m, cfg.block_d
             if self.x_desc is None:  # the same for every chunk (host time: a launch costs tens of microseconds)

@@ -1,0 +1,93 @@
+"""Where a skipping backward's time goes, on one CUDA device.
+
+    PYTHONPATH=src python tools/gpu_skip.py [--shape 8192,2304,262144] [--data lm] [--data-file PATH]
+        [--thresholds 0,auto,0.000244] [--reps 5]
+
+For each data kind and skip_threshold (0: no skipping, "auto", or a float), in bfloat16 with the mean loss of
+linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-up), the fraction of (token block x
+tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one
+profiled fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz
+kernel, the gradient products, the rest). Errors against float64 are the benchmark's job (`logitless bench`, whose
+provider logitless-triton-skip is skip_threshold="auto").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import torch
+
+import logitless
+from logitless import kernels
+from logitless.bench import data
+
+
+def _time(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def _group(name: str) -> str:
+    for key in ("_fwd_kernel", "_combine_kernel", "_dz_kernel", "_dgrad_kernel", "_sum_splits", "gemm", "Gemm",
+                "sort", "Sort", "cumsum", "scan", "Scan", "index"):
+        if key in name:
+            return key.lower()
+    return "other"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8192,2304,262144")
+    ap.add_argument("--data", action="append", default=None)
+    ap.add_argument("--data-file", default=None)
+    ap.add_argument("--thresholds", default="0,auto")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    N, D, V = (int(v) for v in args.shape.split(","))
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; shape N={N} D={D} V={V}, bf16, mean loss")
+    for kind in args.data or ["lm"]:
+        head = data.make_head(kind, N, D, V, dtype=torch.bfloat16, device=dev, data_file=args.data_file)
+        x = head.input.detach().requires_grad_(True)
+        w = head.weight.detach().requires_grad_(True)
+        t = head.target
+        for thr_text in args.thresholds.split(","):
+            thr = thr_text if thr_text == "auto" else float(thr_text)
+            plans = []
+
+            def step(x=x, w=w, t=t, thr=thr):
+                loss = logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold=thr)
+                torch.autograd.grad(loss, [x, w])
+
+            with kernels.tuning(debug_plans=plans):
+                ms = _time(step, args.reps)
+                plans.clear()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+            totals = collections.Counter()
+            for ev in prof.key_averages():
+                totals[_group(ev.key)] += ev.device_time_total / 1000.0
+            skipped = bound = 0.0
+            if plans:
+                skipped = 1.0 - plans[0].hot.float().mean().item()
+                bound = plans[0].row_bound.max().item()
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
+            print(f"{kind:8s} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  skipped {100 * skipped:5.1f}% "
+                  f"(max row bound {bound:.2e})\n    kernel ms: {parts}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
