@@ -1,13 +1,14 @@
 """Where a skipping backward's time goes, on one CUDA device.
 
     PYTHONPATH=src python tools/gpu_skip.py [--shape 8192,2304,262144] [--data lm] [--data-file PATH]
-        [--thresholds 0,auto,0.000244] [--reps 5]
+        [--thresholds 0,auto,0.000244] [--reps 5] [--tune skip_nested=0 --tune skip_nested=1 ...]
 
 For each data kind and skip_threshold (0: no skipping, "auto", or a float), in bfloat16 with the mean loss of
 linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-up), the fraction of (token block x
 tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one
 profiled fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz
-kernel, the gradient products, the rest). Errors against float64 are the benchmark's job (`logitless bench`, whose
+kernel, the gradient products, the rest). Each --tune (comma-separated field=value pairs of kernels.Tuning, integers
+or floats) is a variant run at every threshold; none: the defaults. Errors against float64 are the benchmark's job (`logitless bench`, whose
 provider logitless-triton-skip is skip_threshold="auto").
 """
 
@@ -38,6 +39,10 @@ def _time(fn, reps):
     return statistics.median(out)
 
 
+def _num(text: str):
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
 def _group(name: str) -> str:
     for key in ("_fwd_kernel", "_combine_kernel", "_dz_kernel", "_dgrad_kernel", "_sum_splits", "gemm", "Gemm",
                 "sort", "Sort", "cumsum", "scan", "Scan", "index"):
@@ -53,7 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-file", default=None)
     ap.add_argument("--thresholds", default="0,auto")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tune", action="append", default=None)
     args = ap.parse_args(argv)
+    variants = [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.tune or [""]]
     N, D, V = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; shape N={N} D={D} V={V}, bf16, mean loss")
@@ -62,7 +69,7 @@ def main(argv=None) -> int:
         x = head.input.detach().requires_grad_(True)
         w = head.weight.detach().requires_grad_(True)
         t = head.target
-        for thr_text in args.thresholds.split(","):
+        for thr_text, variant in ((a, v) for a in args.thresholds.split(",") for v in variants):
             thr = thr_text if thr_text == "auto" else float(thr_text)
             plans = []
 
@@ -70,7 +77,7 @@ def main(argv=None) -> int:
                 loss = logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold=thr)
                 torch.autograd.grad(loss, [x, w])
 
-            with kernels.tuning(debug_plans=plans):
+            with kernels.tuning(debug_plans=plans, **variant):
                 ms = _time(step, args.reps)
                 plans.clear()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
                 skipped = 1.0 - plans[0].hot.float().mean().item()
                 bound = plans[0].row_bound.max().item()
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
-            print(f"{kind:8s} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  skipped {100 * skipped:5.1f}% "
+            print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  skipped {100 * skipped:5.1f}% "
                   f"(max row bound {bound:.2e})\n    kernel ms: {parts}")
     return 0
 
