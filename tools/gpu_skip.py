@@ -5,11 +5,11 @@
 
 For each data kind and skip_threshold (0: no skipping, "auto", or a float), in bfloat16 with the mean loss of
 linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-up), the fraction of (token block x
-tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one
-profiled fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz
-kernel, the gradient products, the rest). Each --tune (comma-separated field=value pairs of kernels.Tuning, integers
-or floats) is a variant run at every threshold; none: the defaults. Errors against float64 are the benchmark's job (`logitless bench`, whose
-provider logitless-triton-skip is skip_threshold="auto").
+tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one profiled
+fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz kernel, the
+gradient products, the rest). Each --tune (comma-separated field=value pairs of kernels.Tuning, integers or floats)
+is a variant run at every threshold; none: the defaults. Errors against float64 are the benchmark's job (`logitless
+bench`, whose provider logitless-triton-skip is skip_threshold="auto").
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tune", action="append", default=None)
     args = ap.parse_args(argv)
-    variants = [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.tune or [""]]
+    variants = [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv)
+                for v in args.tune or [""]]
     N, D, V = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; shape N={N} D={D} V={V}, bf16, mean loss")
