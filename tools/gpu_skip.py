@@ -92,8 +92,8 @@ def main(argv=None) -> int:
                 skipped = 1.0 - plans[0].hot.float().mean().item()
                 bound = plans[0].row_bound.max().item()
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
-            print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  skipped {100 * skipped:5.1f}% "
-                  f"(max row bound {bound:.2e})\n    kernel ms: {parts}")
+            print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  "
+                  f"skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n    kernel ms: {parts}")
     return 0
 
 
