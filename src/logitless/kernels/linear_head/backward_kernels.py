@@ -136,7 +136,7 @@ def _dw_tile(
     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
     EVEN_K: tl.constexpr, SCATTER: tl.constexpr, SKIP: tl.constexpr, MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NESTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     ks = tile // n_out_tiles  # split of the token (reduction) dimension; partials go to slice ks of dw_ptr
     pid_m, pid_d = grouped(tile % n_out_tiles, tl.cdiv(n_vrows, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
@@ -159,62 +159,50 @@ def _dw_tile(
         s_hi = tl.load(pre_ptr + t * (n_blocks + 1) + b_hi)
         dense = s_hi - s_lo == b_hi - b_lo
         if s_hi - s_lo != b_hi - b_lo:
-            if USE_TMA and NESTED:
-                # One iteration per hot token block: its index is loaded once, its reduction steps unrolled.
-                for s in range(s_lo, s_hi):
-                    blk = tl.load(list_ptr + t * n_blocks + s).to(tl.int32)
-                    for j in tl.static_range(MAP_N // BLOCK_K):
-                        a = dzt_desc.load([blk * MAP_N + j * BLOCK_K, (pid_m * BLOCK_M).to(tl.int32)])
-                        b = x_desc.load([blk * MAP_N + j * BLOCK_K, (pid_d * BLOCK_D).to(tl.int32)])
-                        acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
-            else:
-                # (MAP_N // BLOCK_K reduction steps per token block)
-                for s in range(s_lo * (MAP_N // BLOCK_K), s_hi * (MAP_N // BLOCK_K)):
-                    blk = tl.load(list_ptr + t * n_blocks + s // (MAP_N // BLOCK_K)).to(tl.int64)
-                    k0 = blk * MAP_N + (s % (MAP_N // BLOCK_K)) * BLOCK_K
-                    if USE_TMA:
-                        # (a split ends on a token block, so a block's steps never reach past k_hi but past N: zeros)
-                        a = dzt_desc.load([k0.to(tl.int32), (pid_m * BLOCK_M).to(tl.int32)])
-                        b = x_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
-                        acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
-                    else:
-                        kk = k0 + offs_k
-                        k_ok = kk < k_hi
-                        a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]),
-                                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                        b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
-                                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                        acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA:
-        if dense:
-            # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no order):
-            # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
-            # never reads into the next split.
-            m0 = (pid_m * BLOCK_M).to(tl.int32)
-            d0 = (pid_d * BLOCK_D).to(tl.int32)
-            k0 = k_lo.to(tl.int32)
-            for k in range(0, tl.cdiv((k_hi - k_lo).to(tl.int32), BLOCK_K)):
-                a = dzt_desc.load([k0 + k * BLOCK_K, m0])
-                b = x_desc.load([k0 + k * BLOCK_K, d0])
-                acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
-    else:
-        if dense:
-            # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
-            # the loads vectorised, where clamped indices would not.
-            # dz^T [BLOCK_M, BLOCK_K]
-            a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])
-            b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
-            for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            # (MAP_N // BLOCK_K reduction steps per token block)
+            for s in range(s_lo * (MAP_N // BLOCK_K), s_hi * (MAP_N // BLOCK_K)):
+                blk = tl.load(list_ptr + t * n_blocks + s // (MAP_N // BLOCK_K)).to(tl.int64)
+                k0 = blk * MAP_N + (s % (MAP_N // BLOCK_K)) * BLOCK_K
+                if USE_TMA:
+                    # (a split ends on a token block, so a block's steps never reach past k_hi but past N: zeros)
+                    a = dzt_desc.load([k0.to(tl.int32), (pid_m * BLOCK_M).to(tl.int32)])
+                    b = x_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
+                    acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
                 else:
-                    k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-                a_ptrs += BLOCK_K * stride_dz
-                b_ptrs += BLOCK_K * stride_xn
+                    kk = k0 + offs_k
+                    k_ok = kk < k_hi
+                    a = tl.load(dz_ptr + (kk[None, :] * stride_dz + offs_m[:, None]),
+                                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
+                                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                    acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+    if USE_TMA and dense:
+        # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no order):
+        # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
+        # never reads into the next split.
+        m0 = (pid_m * BLOCK_M).to(tl.int32)
+        d0 = (pid_d * BLOCK_D).to(tl.int32)
+        k0 = k_lo.to(tl.int32)
+        for k in range(0, tl.cdiv((k_hi - k_lo).to(tl.int32), BLOCK_K)):
+            a = dzt_desc.load([k0 + k * BLOCK_K, m0])
+            b = x_desc.load([k0 + k * BLOCK_K, d0])
+            acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
+    elif dense:
+        # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
+        # the loads vectorised, where clamped indices would not.
+        a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
+        b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
+        for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+            a_ptrs += BLOCK_K * stride_dz
+            b_ptrs += BLOCK_K * stride_xn
     out_rows = offs_m
     if SCATTER:
         # Vocabulary position -> its class's own row of dW (perm_ptr points at the chunk's first position).
@@ -231,7 +219,7 @@ def _dx_tile(
     ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr,
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NESTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m, pid_d = grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
     row0 = pid_m.to(tl.int64) * BLOCK_M
@@ -256,66 +244,55 @@ def _dx_tile(
         s_hi = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile1)
         dense = s_hi - s_lo == tile1 - tile0
         if s_hi - s_lo != tile1 - tile0:
-            if USE_TMA and NESTED:
-                # One iteration per hot tile: its index is loaded once, its reduction steps unrolled.
-                for s in range(s_lo, s_hi):
-                    c0 = (tl.load(list_ptr + blk * n_vtiles + s) - tile0) * MAP_V
-                    for j in tl.static_range(MAP_V // BLOCK_K):
-                        a = dz_desc.load([row0.to(tl.int32), c0 + j * BLOCK_K])
-                        b = w_desc.load([c0 + j * BLOCK_K, (pid_d * BLOCK_D).to(tl.int32)])
-                        acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-            else:
-                # (MAP_V // BLOCK_K reduction steps per tile)
-                for s in range(s_lo * (MAP_V // BLOCK_K), s_hi * (MAP_V // BLOCK_K)):
-                    t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
-                    k0 = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K  # chunk columns
-                    if USE_TMA:
-                        # (columns past the chunk are zeros: both descriptors end there)
-                        a = dz_desc.load([row0.to(tl.int32), k0.to(tl.int32)])
-                        b = w_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
-                    else:
-                        kk = k0 + offs_k
-                        k_ok = kk < n_vrows
-                        a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
-                        wr = kk
-                        if HAS_PERM:
-                            wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
-                        b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
-                                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                    acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA:
-        if dense:
-            # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
-            # past N, the chunk or D are zeros.
-            r0 = row0.to(tl.int32)
-            d0 = (pid_d * BLOCK_D).to(tl.int32)
-            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
-                a = dz_desc.load([r0, k * BLOCK_K])
-                b = w_desc.load([k * BLOCK_K, d0])
-                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    else:
-        if dense:
-            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
-            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
-            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
-                if HAS_PERM:
-                    # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
-                    kk = k * BLOCK_K + offs_k
+            # (MAP_V // BLOCK_K reduction steps per tile)
+            for s in range(s_lo * (MAP_V // BLOCK_K), s_hi * (MAP_V // BLOCK_K)):
+                t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
+                k0 = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K  # chunk columns
+                if USE_TMA:
+                    # (columns past the chunk are zeros: both descriptors end there)
+                    a = dz_desc.load([row0.to(tl.int32), k0.to(tl.int32)])
+                    b = w_desc.load([k0.to(tl.int32), (pid_d * BLOCK_D).to(tl.int32)])
+                else:
+                    kk = k0 + offs_k
                     k_ok = kk < n_vrows
-                    wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
-                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    a = tl.load(dz_ptr + (m_in[:, None] * stride_dz + kk[None, :]), mask=k_ok[None, :], other=0.0)
+                    wr = kk
+                    if HAS_PERM:
+                        wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
                     b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
                                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                elif EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < n_vrows - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_wv
+    if USE_TMA and dense:
+        # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
+        # past N, the chunk or D are zeros.
+        r0 = row0.to(tl.int32)
+        d0 = (pid_d * BLOCK_D).to(tl.int32)
+        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            a = dz_desc.load([r0, k * BLOCK_K])
+            b = w_desc.load([k * BLOCK_K, d0])
+            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+    elif dense:
+        a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
+        b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
+        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            if HAS_PERM:
+                # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
+                kk = k * BLOCK_K + offs_k
+                k_ok = kk < n_vrows
+                wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < n_vrows - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wv
     tl.store(out, acc, mask=ok)
 
 
@@ -337,7 +314,7 @@ def _dgrad_kernel(
     DX_EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, DW_SCATTER: tl.constexpr, SKIP: tl.constexpr,
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NESTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
     # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
@@ -348,23 +325,23 @@ def _dgrad_kernel(
                      N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
                      stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
                      DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION,
-                     UPCAST, USE_TMA, NESTED)
+                     UPCAST, USE_TMA)
         else:
             _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                      N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA, NESTED)
+                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
     elif DO_DW:
         _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                  N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
                  stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
                  DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST,
-                 USE_TMA, NESTED)
+                 USE_TMA)
     else:
         _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                  N, D, n_vrows, n_vtiles, tile0, tile1,
                  stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA, NESTED)
+                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
 
 
 @triton.jit

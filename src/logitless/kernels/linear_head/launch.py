@@ -351,8 +351,7 @@ class _Backward:
             DX_EVEN_K=rows % cfg.block_kg == 0, HAS_PERM=has_perm, DW_SCATTER=scatter, SKIP=skip,
             MAP_N=cfg.block_n, MAP_V=cfg.block_v,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **self.dot,
-            USE_TMA=grad_tma, NESTED=current_tuning().skip_nested, num_warps=cfg.grad_warps,
-            num_stages=cfg.grad_stages,
+            USE_TMA=grad_tma, num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
         if part is not None:
             n = rows * D
