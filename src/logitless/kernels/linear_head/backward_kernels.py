@@ -176,33 +176,36 @@ def _dw_tile(
                     b = tl.load(x_ptr + (kk[:, None] * stride_xn + offs_d[None, :] * stride_xd),
                                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                     acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA and dense:
-        # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no order):
-        # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
-        # never reads into the next split.
-        m0 = (pid_m * BLOCK_M).to(tl.int32)
-        d0 = (pid_d * BLOCK_D).to(tl.int32)
-        k0 = k_lo.to(tl.int32)
-        for k in range(0, tl.cdiv((k_hi - k_lo).to(tl.int32), BLOCK_K)):
-            a = dzt_desc.load([k0 + k * BLOCK_K, m0])
-            b = x_desc.load([k0 + k * BLOCK_K, d0])
-            acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
-    elif dense:
-        # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
-        # the loads vectorised, where clamped indices would not.
-        a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])  # dz^T [BLOCK_M, BLOCK_K]
-        b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
-        for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-            a_ptrs += BLOCK_K * stride_dz
-            b_ptrs += BLOCK_K * stride_xn
+    if USE_TMA:
+        if dense:
+            # Descriptors of dz [BLOCK_K tokens, BLOCK_M classes] and x [BLOCK_K, BLOCK_D] (no order):
+            # reads past N, the chunk or D are zeros, and k_per_split is a multiple of BLOCK_K, so a split's last step
+            # never reads into the next split.
+            m0 = (pid_m * BLOCK_M).to(tl.int32)
+            d0 = (pid_d * BLOCK_D).to(tl.int32)
+            k0 = k_lo.to(tl.int32)
+            for k in range(0, tl.cdiv((k_hi - k_lo).to(tl.int32), BLOCK_K)):
+                a = dzt_desc.load([k0 + k * BLOCK_K, m0])
+                b = x_desc.load([k0 + k * BLOCK_K, d0])
+                acc = mma(tl.trans(a), b, acc, DOT_PRECISION, UPCAST)
+    else:
+        if dense:
+            # Both operands are contiguous along the output dimension (classes of dz, columns of x): masks there keep
+            # the loads vectorised, where clamped indices would not.
+            # dz^T [BLOCK_M, BLOCK_K]
+            a_ptrs = dz_ptr + k_lo * stride_dz + (offs_k[None, :] * stride_dz + offs_m[:, None])
+            b_ptrs = x_ptr + k_lo * stride_xn + (offs_k[:, None] * stride_xn + offs_d[None, :] * stride_xd)  # [K, D]
+            for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < (k_hi - k_lo) - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+                a_ptrs += BLOCK_K * stride_dz
+                b_ptrs += BLOCK_K * stride_xn
     out_rows = offs_m
     if SCATTER:
         # Vocabulary position -> its class's own row of dW (perm_ptr points at the chunk's first position).
@@ -262,37 +265,39 @@ def _dx_tile(
                     b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
                                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    if USE_TMA and dense:
-        # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
-        # past N, the chunk or D are zeros.
-        r0 = row0.to(tl.int32)
-        d0 = (pid_d * BLOCK_D).to(tl.int32)
-        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
-            a = dz_desc.load([r0, k * BLOCK_K])
-            b = w_desc.load([k * BLOCK_K, d0])
-            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-    elif dense:
-        a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
-        b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
-        for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
-            if HAS_PERM:
-                # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
-                kk = k * BLOCK_K + offs_k
-                k_ok = kk < n_vrows
-                wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < n_vrows - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wv
+    if USE_TMA:
+        if dense:
+            # Descriptors of dz [BLOCK_M tokens, BLOCK_K classes] and of the chunk's W rows [BLOCK_K, BLOCK_D]: reads
+            # past N, the chunk or D are zeros.
+            r0 = row0.to(tl.int32)
+            d0 = (pid_d * BLOCK_D).to(tl.int32)
+            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+                a = dz_desc.load([r0, k * BLOCK_K])
+                b = w_desc.load([k * BLOCK_K, d0])
+                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+    else:
+        if dense:
+            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
+            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
+            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+                if HAS_PERM:
+                    # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
+                    kk = k * BLOCK_K + offs_k
+                    k_ok = kk < n_vrows
+                    wr = tl.load(perm_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptr + (wr[:, None] * stride_wv + offs_d[None, :] * stride_wd),
+                                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                elif EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < n_vrows - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_wv
     tl.store(out, acc, mask=ok)
 
 

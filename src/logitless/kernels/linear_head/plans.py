@@ -82,7 +82,7 @@ class SkipPlan(NamedTuple):
 _WIDEN = 2.0**-10
 # Rows are grouped by how many tiles hold more than this fraction of their budget each (their "hot count").
 _HOT_FRACTION = 2.0**-6
-# Rows planned at a time: the plan's temporaries are a few (rows x tiles) float32 arrays.
+# Rows of the greedy at a time: its temporaries are a few (rows x tiles) float32 arrays.
 _PLAN_ROWS = 4096
 
 
@@ -109,51 +109,42 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     N, T = tile_lse.shape
     B = cdiv(N, block_n)
     dev = m.device
-    lse = (m + logs).double()
-    tau = row_budget(m, threshold).double()
-    active = A != 0
-    tt = torch.full_like(m, -1, dtype=torch.int64)
+    lse = m + logs
+    tau = row_budget(m, threshold)
+    # r_it / tau_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
+    # column per row), +inf at each row's target tile, 0 for rows with A = 0. The exponent is widened by the float16
+    # rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
+    u = tile_lse.float()
+    q = (u + u.abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().div_(tau[:, None])
     if target is not None:
         pos = target
         if perm is not None:
             pos = torch.argsort(perm)[target.clamp(0, V - 1)]
-        tt = torch.where((target >= 0) & (target < V), pos // block_v, -1)
-    cols = torch.arange(T, device=dev)
-
-    def rel(idx):
-        # r_it / tau_i of the rows idx, (len(idx), T) float32, +inf at the row's target tile; 0 for rows with A = 0.
-        u = tile_lse[idx].float()
-        u = u + u.abs() * _WIDEN
-        lo = lse[idx, None]
-        q = torch.exp(u.double() - lo + lo.abs() * 2.0**-20).div_(tau[idx, None]).float()
-        q = torch.where(cols[None, :] == tt[idx, None], float("inf"), q)
-        return torch.where(active[idx, None], q, 0.0)
-
-    def chunks(order, step):
-        for lo in range(0, N, step):
-            hi = min(lo + step, N)
-            yield lo, hi, (torch.arange(lo, hi, device=dev) if order is None else order[lo:hi])
-
+        valid = (target >= 0) & (target < V)
+        tt = torch.where(valid, pos // block_v, 0)[:, None]
+        q.scatter_(1, tt, torch.where(valid[:, None], float("inf"), q.gather(1, tt)))
+    q.masked_fill_((A == 0)[:, None], 0.0)
     rows = None
     if group_rows and B > 1:
-        count = torch.cat([(rel(idx) > _HOT_FRACTION).sum(1) for _, _, idx in chunks(None, _PLAN_ROWS)])
-        rows = torch.sort(count, stable=True).indices
+        rows = torch.sort((q > _HOT_FRACTION).sum(1), stable=True).indices
     # Per block of (ordered) rows: the longest prefix of its tiles, sorted by their largest relative mass, that
-    # keeps every row's running sum within its budget.
+    # keeps every row's running sum within its budget (float32 sums: the 2^-16 margin covers their rounding).
     cold = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    for lo, hi, idx in chunks(rows, max(1, _PLAN_ROWS // block_n) * block_n):
+    step = max(1, _PLAN_ROWS // block_n) * block_n
+    for lo in range(0, N, step):
+        hi = min(lo + step, N)
         nb = cdiv(hi - lo, block_n)
-        q = torch.nn.functional.pad(rel(idx), (0, 0, 0, nb * block_n - (hi - lo))).view(nb, block_n, T)
-        order = torch.sort(q.amax(1), dim=1, stable=True).indices
-        run = torch.gather(q, 2, order[:, None, :].expand(nb, block_n, T)).cumsum(2).amax(1)
+        qb = q[lo:hi] if rows is None else q[rows[lo:hi]]
+        qb = torch.nn.functional.pad(qb, (0, 0, 0, nb * block_n - (hi - lo))).view(nb, block_n, T)
+        order = torch.sort(qb.amax(1), dim=1, stable=True).indices
+        run = torch.gather(qb, 2, order[:, None, :].expand(nb, block_n, T)).cumsum(2).amax(1)
         cold[lo // block_n: lo // block_n + nb].scatter_(1, order, run <= 1.0 - 2.0**-16)
     hot = ~cold
     # Each row's bound on its skipped mass, in input row order.
     blk = torch.arange(N, device=dev) // block_n
     if rows is not None:
         blk = torch.empty_like(blk).index_copy_(0, rows, blk)
-    row_bound = torch.cat([(rel(idx).nan_to_num(posinf=0.0).double() * cold[blk[idx]]).sum(1) * tau[idx]
-                           for _, _, idx in chunks(None, _PLAN_ROWS)])
+    row_bound = (torch.where(cold[blk], q, 0.0).sum(1, dtype=torch.float64) * tau).float()
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(
@@ -162,7 +153,7 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         pad(hot.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
         torch.sort(cold_t, dim=1, stable=True).indices.to(torch.int32).contiguous(),
         pad((1 - cold_t).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
-        row_bound.float(),
+        row_bound,
         rows,
     )
 
