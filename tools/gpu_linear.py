@@ -2,8 +2,6 @@
 
     PYTHONPATH=src python tools/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
         [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
-    PYTHONPATH=src python tools/gpu_linear.py --sparsity [--shapes ...] [--kinds ...] [--reps 5]
-    PYTHONPATH=src python tools/gpu_linear.py --cpu-orders [--order-shape 4096,1024,32768] [--order-losses 2.5,1.5]
 
 For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
 "uniform" = the head at initialisation), in bfloat16:
@@ -20,16 +18,7 @@ For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked soft
 --extra runs the int64-offset shapes
 (N*D > 2^31, V*D > 2^31) and the run-to-run bitwise determinism check.
 
---sparsity (skipping cold tiles in the backward, docs/kernels.md), per shape and data kind, with skipping off
-(skip_threshold=0, the default) and on (2^-12; identity, then batch vocabulary order): fwd+bwd ms, the fraction of
-(token block x tile) pairs skipped and the largest per-row skipped-mass bound (from the backward's plan), the
-error of loss / d_input / d_weight against float64 on the first --check-rows tokens, peak memory; and, on lm data,
-the fraction of pairs each vocabulary order makes cold (none / batch / zipf-rank: the generator's own frequency
-ranks, the limit of running counts).
---cpu-orders measures that last fraction on the CPU at one smaller shape, for lm data of 2.5 and 1.5 nats, with
-the forward's tile statistic computed by PyTorch ops (GPU tiles, 128 x 256) and the library's own vocab_order and
-skip_plan; plus, for reference, the fraction of (row, tile) pairs that a per-row greedy on the exact masses could
-skip (not reachable by a tiled kernel: a lower bound on what any safe per-tile skipping can do).
+Skipping cold tiles in the backward has its own tool: tools/gpu_skip.py.
 """
 
 from __future__ import annotations
@@ -53,7 +42,6 @@ from logitless.bench.check import rule_line as rule
 from logitless.bench.measure import event_ms, peak_extra_mib
 from logitless.kernels import current_tuning, tuning
 from logitless.kernels import linear_head as lh
-from logitless.linear_cross_entropy import HALF_SKIP_THRESHOLD, class_counts
 
 SHAPES = {name: PRESETS[name] for name in GPU_DEFAULT_PRESETS["train"]}  # the issue's four heads
 
@@ -433,180 +421,6 @@ def timeline(prof, step):
         print(f"    gap {g:.0f} us: {a[:40]} -> {b[:40]}")
 
 
-def zipf_rank_counts(head_seed, N, D, V, device):
-    """Per-class expected frequency of lm_like(seed=head_seed): it draws W (V x D), then the permutation rank ->
-    token id; Zipf(1.1) over ranks. The limit of running target counts across steps of that 'model'."""
-    gen = torch.Generator(device=device).manual_seed(head_seed)
-    torch.randn(V, D, device=device, generator=gen)
-    perm = torch.randperm(V, device=device, generator=gen)
-    freq = torch.empty(V, device=device)
-    freq[perm] = torch.arange(1, V + 1, device=device, dtype=torch.float32).pow(-1.1)
-    return freq
-
-
-def order_fractions(x, w, t, tile_lse_fn, tau, orders):
-    """{order: (fraction of (token block, tile) pairs cold, max per-row bound)} for per-class counts orders[name]
-    (None: identity); tile_lse_fn(perm) -> (tile_lse, m, logs) of the forward in that order."""
-    out = {}
-    cfg = lh.config_for(x)
-    for name, counts in orders.items():
-        perm = None if counts is None else lh.vocab_order(counts, x, w)
-        tiles, m, logs = tile_lse_fn(perm)
-        plan = lh.skip_plan(tiles, m, logs, torch.ones_like(m), t, perm, w.shape[0], tau, cfg.block_n, cfg.block_v)
-        out[name] = (1.0 - plan.hot.float().mean().item(), plan.row_bound.max().item())
-    return out
-
-
-def run_cpu_orders(shape, tau, losses=(2.5, 1.5)):
-    """The cold fraction per vocabulary order on lm data, at a CPU-sized shape (see the module docstring), next to
-    what skipping with the exact masses (not a bound) would reach with token blocks of 128, 32, 8 and 1 rows."""
-    N, D, V = shape
-    gpu = lh.hopper_config()  # GPU tiles for the order's ranges and the plan
-    bn, bv = gpu.block_n, gpu.block_v
-    nt = triton.cdiv(V, bv)
-    blocks = (128, 32, 8, 1)
-    rows = []
-    with tuning(linear_config=gpu):
-        for loss in losses:
-            head = data.lm_like(N, D, V, dtype=torch.bfloat16, target_loss=loss, seed=0)
-            x, w, t = head.input, head.weight, head.target
-            z = torch.empty(N, V)
-            for i in range(0, N, 512):
-                z[i:i + 512] = x[i:i + 512].float() @ w.float().T
-            lse = torch.logsumexp(z, 1)
-            m = z.amax(1)
-            orders = {"none": None, "batch": class_counts(t, V, -100), "zipf-rank": zipf_rank_counts(0, N, D, V, "cpu")}
-            for name, counts in orders.items():
-                perm = None if counts is None else lh.vocab_order(counts, x, w)
-                zp = z if perm is None else z[:, perm.long()]
-                zp = torch.nn.functional.pad(zp, (0, nt * bv - V), value=float("-inf"))
-                row_tile = torch.logsumexp(zp.view(N, nt, bv), 2)  # (N, tiles): each row's log-sum-exp per tile
-                del zp
-                # The forward's statistic (max over the block's rows) and the library's plan.
-                nb = triton.cdiv(N, bn)
-                tiles = torch.nn.functional.pad(row_tile, (0, 0, 0, nb * bn - N), value=float("-inf"))
-                plan = lh.skip_plan(tiles.view(nb, bn, nt).amax(1).contiguous(), m, lse - m, torch.ones_like(m), t,
-                                    perm, V, tau, bn, bv)
-                frac = 1.0 - plan.hot.float().mean().item()
-                # Exact masses, skipped greedily per block of r rows (the block's largest row mass per tile).
-                exact = []
-                for r in blocks:
-                    mass = torch.exp(row_tile - lse[:, None])
-                    nbr = triton.cdiv(N, r)
-                    mass = torch.nn.functional.pad(mass, (0, 0, 0, nbr * r - N)).view(nbr, r, nt).amax(1)
-                    logm = torch.log(mass).contiguous()
-                    zero = torch.zeros(nbr * r)[:N] if nbr * r >= N else torch.zeros(N)
-                    ex = lh.skip_plan(logm, zero, zero, torch.ones(N), t, perm, V, tau, r, bv)
-                    exact.append(1.0 - ex.hot.float().mean().item())
-                rows.append((loss, name, frac, plan.row_bound.max().item(), exact))
-                print(f"  cpu-orders lm {loss} nats, order {name}: cold {frac:.4f}, exact-mass per block "
-                      f"{blocks}: {[round(e, 4) for e in exact]}", flush=True)
-    print(f"\nshape N={N} D={D} V={V}, tiles {bn} x {bv}, threshold {tau:g}")
-    print("| data | order | pairs cold (bound, as the backward plans) | max row bound | cold with exact masses, "
-          "blocks of " + " / ".join(map(str, blocks)) + " rows |")
-    print("|---|---|---|---|---|")
-    for loss, name, frac, bound, exact in rows:
-        print(f"| lm {loss} nats | {name} | {100 * frac:.2f}% | {bound:.1e} | "
-              + " / ".join(f"{100 * e:.1f}%" for e in exact) + " |")
-
-
-def sparsity_check(head, rows, tau):
-    """err(ours) / err(PyTorch bf16) against float64 of loss, d_input, d_weight on the first rows (10% ignored)."""
-    x, w, t = head.input[:rows], head.weight, head.target[:rows].clone()
-    t[::10] = -100
-    res = {}
-    for name in ("ours", "bf16", "f64"):
-        xl, wl = leaf(x if name != "f64" else x.double()), leaf(w if name != "f64" else w.double())
-        if name == "ours":
-            loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton", skip_threshold=tau)
-        else:
-            loss = testing.naive_linear_cross_entropy(xl, wl, t, upcast=name == "f64")
-        res[name] = (loss.detach(),) + tuple(torch.autograd.grad(loss, (xl, wl)))
-        del xl, wl, loss
-    out = {}
-    for i, q in enumerate(("loss", "d_input", "d_weight")):
-        out[q] = (rel(res["ours"][i], res["f64"][i]), rel(res["bf16"][i], res["f64"][i]))
-    return out
-
-
-def run_sparsity(shapes, kinds, reps, check_rows, device="cuda"):
-    tau = HALF_SKIP_THRESHOLD
-    table, failures = [], []
-    for shape in shapes:
-        N, D, V = SHAPES[shape]
-        for kind in kinds:
-            t0 = time.time()
-            try:
-                head = data.make_head(kind, N, D, V, device=device)
-                x, w, t = head.input, head.weight, head.target
-                xl, wl = leaf(x), leaf(w)
-                # off: skip_threshold 0 (the default); on: 2^-12, identity order, then the batch order.
-                for mode, thr, order in (("off", 0.0, "none"), ("on, order none", tau, "none"),
-                                         ("on, batch order", tau, "batch")):
-                    errs = None
-                    if mode != "on, order none":
-                        errs = sparsity_check(head, check_rows, thr)
-                        bad = [q for q, (e_o, e_t) in errs.items() if e_o > 2 * e_t + 1e-6]
-                        failures += [f"{shape} {kind} {mode} {q}" for q in bad]
-
-                    def fwdbwd(thr=thr, order=order, xl=xl, wl=wl, t=t):
-                        return torch.autograd.grad(logitless.linear_cross_entropy(
-                            xl, wl, t, backend="triton", skip_threshold=thr, vocab_order=order), (xl, wl))
-
-                    plans = []
-                    with tuning(debug_plans=plans):
-                        fwdbwd()
-                    frac = (1.0 - plans[0].hot.float().mean().item()) if plans else 0.0
-                    bound = plans[0].row_bound.max().item() if plans else 0.0
-                    del plans
-                    ms = median_ms(fwdbwd, reps, warmup=1)
-                    peak = peak_extra_mb(fwdbwd)
-                    row = dict(shape=shape, kind=kind, mode=mode, ms=ms, frac=frac, bound=bound, peak=peak, errs=errs)
-                    table.append(row)
-                    print(f"  {shape} {kind} {mode}: fwd+bwd {ms:.2f} ms, cold {frac:.4f}, bound {bound:.2e}, "
-                          f"peak {peak:.1f} MB, errs {errs}", flush=True)
-                if kind == "lm":
-                    orders = {"none": None, "batch": class_counts(t, V, -100),
-                              "zipf-rank": zipf_rank_counts(0, N, D, V, device)}
-
-                    def tile_lse_fn(perm, x=x, w=w, t=t):
-                        tiles = torch.empty(lh.tile_grid(x, w), device=device)
-                        m, logs, *_ = lh.forward_stats(x, w, None, t, None, softcap=None, inv_temp=1.0,
-                                                       want_smooth=False, want_entropy=False, perm=perm,
-                                                       tile_lse=tiles)
-                        return tiles, m, logs
-
-                    fr = order_fractions(x, w, t, tile_lse_fn, tau, orders)
-                    table[-1]["orders"] = fr
-                    print(f"  {shape} lm orders: {fr}", flush=True)
-                del head, x, w, t, xl, wl
-            except Exception:
-                traceback.print_exc()
-                failures.append(f"{shape} {kind} crashed")
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            print(f"  ({time.time() - t0:.0f} s)", flush=True)
-    if device == "cuda":
-        kernel_resources()
-    print(f"\nskip_threshold {tau:g} vs 0 (default); errors: ours / PyTorch-bf16, against float64, first "
-          f"{check_rows} tokens")
-    print("| shape | data | skipping | fwd+bwd ms | pairs skipped | max row bound | peak MB | loss err | d_input err "
-          "| d_weight err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in table:
-        e = r["errs"]
-        errs = (" | ".join(f"{e[q][0]:.2e} / {e[q][1]:.2e}" for q in ("loss", "d_input", "d_weight")) if e
-                else "- | - | -")
-        print(f"| {r['shape']} | {r['kind']} | {r['mode']} | {r['ms']:.2f} | {100 * r['frac']:.2f}% | "
-              f"{r['bound']:.1e} | {r['peak']:.1f} | {errs} |")
-    print("\n| shape | lm: pairs cold by order (none / batch / zipf-rank) |")
-    print("|---|---|")
-    for r in table:
-        if "orders" in r:
-            print(f"| {r['shape']} | " + " / ".join(f"{100 * f:.2f}%" for f, _ in r["orders"].values()) + " |")
-    print("failures:", failures or "none")
-
-
 def write_json(res, path):
     if path:
         with open(path, "w") as f:
@@ -631,21 +445,8 @@ def main():
                     help="only the --profile shapes, then exit (TRACE_DIR=folder also writes Chrome traces)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="checks only, at a tiny shape on the CPU interpreter")
-    ap.add_argument("--sparsity", action="store_true", help="skipping on/off at the shapes (see above)")
-    ap.add_argument("--cpu-orders", action="store_true", help="cold fraction per vocabulary order, on the CPU")
-    ap.add_argument("--order-shape", default="4096,1024,32768", help="N,D,V for --cpu-orders")
-    ap.add_argument("--order-losses", default="2.5,1.5", help="lm data entropies (nats) for --cpu-orders")
     a = ap.parse_args()
 
-    if a.cpu_orders:
-        run_cpu_orders(tuple(int(v) for v in a.order_shape.split(",")), HALF_SKIP_THRESHOLD,
-                       tuple(float(v) for v in a.order_losses.split(",")))
-        return
-
-    if a.dry_run and a.sparsity:
-        SHAPES["tiny"] = (100, 40, 700)
-        run_sparsity(["tiny"], ["lm", "uniform"], 1, 200, device="cpu")
-        return
     if a.dry_run:
         for kind in ("lm", "uniform"):
             head = data.make_head(kind, 70, 48, 700, device="cpu")
@@ -655,9 +456,6 @@ def main():
     dev = torch.cuda.get_device_properties(0)
     print(f"device {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
-    if a.sparsity:
-        run_sparsity(a.shapes.split(","), a.kinds.split(","), a.reps, a.check_rows)
-        return
     if a.profile_only:
         for shape in filter(None, a.profile.split(",")):
             run_profile(shape)
