@@ -31,10 +31,11 @@ __all__ = ["DEFAULT_SKIP_THRESHOLD", "HALF_SKIP_THRESHOLD", "Skip", "Stats", "ch
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
 HALF_SKIP_THRESHOLD = 2.0**-12
-# skip_threshold="auto": each row's budget is 1/8 of the rounding of its largest logit to the input dtype,
-# u max(1, |m_i|) / 8 with u = 2^-9 (bfloat16) or 2^-12 (float16): the rounding that sets PyTorch's own error in the
-# row's gradient (docs/kernels.md, "Sparsity"). Passed to the kernels as a negative threshold (plans.row_budget).
-AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-12, torch.float16: 2.0**-15}
+# skip_threshold="auto": each row's budget is a quarter of the rounding of its largest logit to the input dtype,
+# u max(1, |m_i|) / 4 with u = 2^-9 (bfloat16) or 2^-12 (float16): the rounding that sets PyTorch's own error in the
+# row's gradient (docs/kernels.md, "Sparsity"; measured there against 1/8 and 1/2). Passed to the kernels as a
+# negative threshold (plans.row_budget).
+AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 # What skip_threshold=None means: no skipping, for every dtype. Measured on an H200 (docs/kernels.md): on the
 # benchmark's LM-like data at most 0.6% of the (token block x tile) pairs are cold at HALF_SKIP_THRESHOLD, while the
 # bookkeeping costs up to 10% of fwd+bwd (15-22% with the batch vocabulary order), so skipping is opt-in.
