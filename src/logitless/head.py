@@ -36,9 +36,9 @@ HALF_SKIP_THRESHOLD = 2.0**-12
 # row's gradient (docs/kernels.md, "Sparsity"; measured there against 1/8 and 1/2). Passed to the kernels as a
 # negative threshold (plans.row_budget).
 AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
-# What skip_threshold=None means: no skipping, for every dtype. Measured on an H200 (docs/kernels.md): on the
-# benchmark's LM-like data at most 0.6% of the (token block x tile) pairs are cold at HALF_SKIP_THRESHOLD, while the
-# bookkeeping costs up to 10% of fwd+bwd (15-22% with the batch vocabulary order), so skipping is opt-in.
+# What skip_threshold=None means: no skipping, for every dtype. Skipping is opt-in (docs/design/skipping.md): its
+# worst case is bounded but not by PyTorch's own error, and where nothing is cold (a softmax at initialisation) it
+# costs 15-18% of fwd+bwd (Triton products instead of cuBLAS's, no stash).
 DEFAULT_SKIP_THRESHOLD = 0.0
 
 

@@ -17,7 +17,7 @@ from . import _validate, distributed, head, loss_math, torch_backend
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[False] = ..., backend: str = ...,
-                     skip_threshold: float | None = ..., workspace_bytes: int | None = ...,
+                     skip_threshold: float | str | None = ..., workspace_bytes: int | None = ...,
                      process_group=...) -> torch.Tensor: ...
 
 
@@ -25,7 +25,7 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = ..., softcap: float | None = ..., temperature: float = ...,
                      ignore_index: int = ..., return_entropy: Literal[True], backend: str = ...,
-                     skip_threshold: float | None = ..., workspace_bytes: int | None = ...,
+                     skip_threshold: float | str | None = ..., workspace_bytes: int | None = ...,
                      process_group=...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -40,7 +40,7 @@ def linear_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: str = "auto",
-    skip_threshold: float | None = None,
+    skip_threshold: float | str | None = None,
     workspace_bytes: int | None = None,
     process_group=None,
 ):

@@ -39,7 +39,7 @@ class LinearCrossEntropyLoss(_LossOptions):
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto", skip_threshold: float | None = None, vocab_order: str = "none",
+                 backend: str = "auto", skip_threshold: float | str | None = None, vocab_order: str = "none",
                  workspace_bytes: int | None = None):
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
