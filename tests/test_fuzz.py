@@ -288,6 +288,15 @@ REGRESSIONS = [
      'temperature': 3.0, 'return_entropy': False},
     dict(_BASE, op="linear_cross_entropy", backend="triton", dtype="bfloat16", n=7, v=5, d=1, scale=30.0, z_loss=0.1,
          ignore_frac=0.0, seed=3, bias=False),
+    # log p_t with the entropy at a near-certain row: p_t A - C lost 1 - p_t to the rounding of S = 1 + r (and of
+    # p_t); 8.5e-5 against PyTorch's 5.5e-7 on both backends. Now the target's column has a form of its own.
+    dict(_BASE, op="linear_log_probs", backend="torch", dtype="float32", n=1, v=2, d=1, scale=4.0, seed=0,
+         ignore_frac=0.0, upstream="one", temperature=1.0, return_entropy=True),
+    dict(_BASE, op="linear_log_probs", backend="triton", dtype="float32", n=1, v=2, d=1, scale=4.0, seed=0,
+         ignore_frac=0.0, upstream="one", temperature=1.0, return_entropy=True),
+    # ... and at a flatter row: logs - ent for the entropy's mean cancelled (1.28e-6 against 2 x 1.2e-7 + 1e-6)
+    dict(_BASE, op="linear_log_probs", backend="torch", dtype="float32", n=1, v=2, d=1, scale=0.1, seed=10945,
+         ignore_frac=0.0, temperature=3.0, return_entropy=True),
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
