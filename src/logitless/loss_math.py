@@ -13,7 +13,8 @@ gradients of the statistics, and head_coefficients turns those into the per-row 
 
   dL/dz_j = p_j (A_i + B_i (z_j - m)) - C_i [j == t_i] - E_i w_j,     p_j = exp((z_j - m) - logs)
 
-which one backward per backend computes (docs/math.md derives it). B multiplies z_j - m, not z_j, and A is taken
+which one backward per backend computes (docs/math.md derives it); with the entropy, the target's column has a
+form of its own (At, head_coefficients). B multiplies z_j - m, not z_j, and A is taken
 relative to m accordingly: the difference z_j - mu of the entropy gradient would otherwise cancel catastrophically
 at |z| ~ 1e4. For autograd the row max is a constant offset: every use of the statistics is invariant to shifting
 m (with logs and sw shifted to match), so its gradient is ignored and logs carries d lse/dz_j = p_j.
@@ -52,22 +53,38 @@ class Stats(NamedTuple):
     ent: torch.Tensor | None
 
 
-def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent):
-    """Per-row (A, B, C, E) of dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j from the upstream gradients of the
-    statistics (None where a statistic has none): d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t],
-    d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous."""
+def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=None):
+    """Per-row (A, B, C, E, At) of dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j from the upstream gradients of
+    the statistics (None where a statistic has none): d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t],
+    d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous.
+
+    mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m), where the backend has them (the entropy's
+    forward): mu then replaces logs - ent, which cancels for a near-uniform row (both ~ log V, mu ~ 0), and the
+    target's column takes its own form, At not None: dL/dz_t = p_t (At + B (z_t - m)) - C - E w_t with
+    At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S, S = exp(logs)). The same
+    value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's float32 digits (and S = 1 + r
+    rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their difference was mostly rounding."""
     acc = logs.dtype
     A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
-    B = C = E = None
+    B = C = E = At = None
     if g_ent is not None:
         g_ent = g_ent.to(acc)
-        A = A + g_ent * (logs - ent)  # relative to the row max: the backward multiplies B by z - m
+        # relative to the row max: the backward multiplies B by z - m
+        A = A + g_ent * ((logs - ent) if mu is None else mu)
         B = (-g_ent).contiguous()
     if g_zt is not None:
         C = (-g_zt.to(acc)).contiguous()
+        if rest is not None:
+            # At = A - C, summed from its parts: for log p_t, g_logs + g_zt is exactly 0.
+            At = (g_logs.to(acc) if g_logs is not None else torch.zeros_like(logs)) + g_zt.to(acc)
+            if g_ent is not None:
+                At = At + g_ent * ((logs - ent) if mu is None else mu)
+            At = At.contiguous()
+            # 1 - p_t in [0, 1]; an empty head (logs = -inf) has rest = 0 and no column.
+            C = (C * torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)).contiguous()
     if g_sw is not None:
         E = (-g_sw.to(acc)).contiguous()
-    return A, B, C, E
+    return A, B, C, E, At
 
 
 # ---------------------------------------------------------------------------------------------------------------

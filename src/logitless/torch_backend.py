@@ -123,6 +123,9 @@ class _RowStats:
         self.sw = torch.zeros(n, **f32) if want_smooth else None
         # sum_j exp(z_j - m) (z_j - m), rescaled as m grows; gives the entropy without a second pass.
         self.ent = torch.zeros(n, **f32) if want_entropy else None
+        # With the entropy: sum_{j != t} exp(z_j - m), the mass outside the target summed without it (the backward's
+        # 1 - p_t, which s rounds away for a near-certain row; loss_math.head_coefficients).
+        self.rest = torch.zeros(n, **f32) if want_entropy and target is not None else None
 
     def update(self, z, v0, v1, class_w_c):
         """Folds the block z [rows, v1 - v0] in; z is used up (overwritten) unless it is a view of another tensor."""
@@ -151,21 +154,33 @@ class _RowStats:
             shift = (self.m - m_safe).nan_to_num(0.0, posinf=0.0, neginf=0.0)
             self.ent = alpha * (self.ent + shift * self.s) + ed.sum(dim=1)
             del e, ed
-        self.s = self.s * alpha + d.exp_().sum(dim=1)
+        e = d.exp_()
+        if self.rest is not None:
+            e_t = e.gather(1, idx[:, None])[:, 0]
+            e.scatter_(1, idx[:, None], torch.where(inside, 0.0, e_t)[:, None])
+            rest_c = e.sum(dim=1)
+            self.rest = self.rest * alpha + rest_c
+            self.s = self.s * alpha + (rest_c + torch.where(inside, e_t, 0.0))
+        else:
+            self.s = self.s * alpha + e.sum(dim=1)
         self.m = m_new
 
     def logs(self):
         return torch.log(self.s)
 
+    def mu(self):
+        # sum_j p_j (z_j - m) = sum exp(z - m)(z - m) / s
+        return self.ent / self.s
+
     def entropy(self):
-        # H = lse - sum p z = log s - sum exp(z - m)(z - m) / s
-        return torch.log(self.s) - self.ent / self.s
+        # H = lse - sum p z = log s - mu
+        return torch.log(self.s) - self.mu()
 
 
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy):
     """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (_block: all
-    tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent), sw relative to
-    ref (the first block's row max)."""
+    tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent, mu, rest), sw
+    relative to ref (the first block's row max), mu and rest (_RowStats) with the entropy (rest: and a target)."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -173,6 +188,8 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     sw = torch.zeros(n, **f) if want_smooth else None
     ref = torch.zeros(n, **f) if want_smooth else None
     ent = torch.zeros(n, **f) if want_entropy else None
+    mu = torch.zeros(n, **f) if want_entropy else None
+    rest = torch.zeros(n, **f) if want_entropy and target is not None else None
     rows, cols = _block(n, V, want_smooth or want_entropy)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
@@ -188,26 +205,33 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
             ref[i0:i1] = st.ref
         if ent is not None:
             ent[i0:i1] = st.entropy()
-    return m, logs, zt, sw, ref, ent
+            mu[i0:i1] = st.mu()
+        if rest is not None:
+            rest[i0:i1] = st.rest
+    return m, logs, zt, sw, ref, ent, mu, rest
 
 
-def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy) -> Stats:
-    """The head op's statistics (loss_math.Stats; sw relative to m) of the logits softcap(x W^T + b) * inv_temp.
-    A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has m = logs = -inf."""
+def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
+    """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits
+    softcap(x W^T + b) * inv_temp, and with the entropy the backward's mu and rest (loss_math.head_coefficients;
+    else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has
+    m = logs = -inf."""
     n, V = x.shape[0], w.shape[0]
     acc = acc_dtype(x.dtype)
     if V == 0:
         neg_inf = torch.full((n,), -math.inf, device=x.device, dtype=acc)
         zeros = (lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None)
-        return Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy))
+        return (Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy)),
+                zeros(want_entropy), zeros(want_entropy and target is not None))
     chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
                                                 inv_temp)
-    m, logs, zt, sw, ref, ent = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth, want_entropy)
+    m, logs, zt, sw, ref, ent, mu, rest = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth,
+                                                     want_entropy)
     if sw is not None:
         # Accumulated relative to the first block's row max (no cancellation while the max grows): re-based on m.
         w_sum = class_w.sum() if class_w is not None else float(V)
         sw = sw + w_sum * (ref - m)
-    return Stats(m, logs, zt, sw, ent)
+    return Stats(m, logs, zt, sw, ent), mu, rest
 
 
 class _HeadStats(torch.autograd.Function):
@@ -216,21 +240,21 @@ class _HeadStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
-        st = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
+        st, mu, rest = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
         empty = st.m.new_empty(0)
         out = tuple(empty.clone() if s is None else s for s in st)
-        ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4])
+        ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4], mu, rest)
         ctx.opts = (softcap, inv_temp, want_smooth, want_entropy)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent):
-        x, w, b, target, class_w, m, logs, ent = ctx.saved_tensors
+        x, w, b, target, class_w, m, logs, ent, mu, rest = ctx.saved_tensors
         softcap, inv_temp, want_smooth, want_entropy = ctx.opts
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         coef = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
-                                 g_sw if want_smooth else None, g_ent if want_entropy else None)
+                                 g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest)
         dx, dw, db = head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs)
         return dx, dw, db, None, None, None, None, None, None
 
@@ -272,7 +296,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
     all vocabulary chunks. Each block's logits are recomputed into one preallocated buffer and turned into dL/dz
     there, in place; the products accumulate into the gradients with addmm_ (into dW directly when all tokens fit in
     one block). dx comes back in x's dtype."""
-    A, B, C, E = coef
+    A, B, C, E, At = coef
     n, D = x.shape
     V = w.shape[0]
     need_x, need_w, need_b = needs
@@ -290,7 +314,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
     buf = torch.empty(rows * cols, device=x.device, dtype=acc)
     x_all = x.to(acc) if one_block else None
-    A2, B2, C2, E2 = (None if c is None else c[:, None] for c in (A, B, C, E))
+    A2, B2, C2, E2, At2 = (None if c is None else c[:, None] for c in (A, B, C, E, At))
     m2, logs2 = m[:, None], logs[:, None]
     # p A = exp(z - m) (A / S), S = exp(logs) (at most V): one pass fewer over each block than exp((z - m) - logs) A,
     # and no rounding of (z - m) - logs inside the exponential.
@@ -316,7 +340,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
                 z.mul_(inv_temp)
             dz = _dz_block(z, m2[sl], logs2[sl], A2[sl] if a_s is None else a_s[sl], None if B2 is None else B2[sl],
                            None if C2 is None else C2[sl], None if E2 is None else E2[sl],
-                           None if target is None else target[sl], v0, v1, cw_c)
+                           None if target is None else target[sl], v0, v1, cw_c, None if At2 is None else At2[sl])
             del z
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
@@ -339,10 +363,20 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
     return (dx.to(x.dtype) if need_x else None), dw, db
 
 
-def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
+def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c, At2=None):
     """dL/dz = p (A + B (z - m)) - C [j == t] - E w for a block of (temperature-scaled) logits z, written over z
-    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs))."""
+    (the per-row coefficients as columns [rows, 1], B, C, E may be None). Without B, A2 is A / S (S = exp(logs)).
+    With At2, the target's column is p_t (At + B (z_t - m)) - C - E w_t (loss_math.head_coefficients)."""
     z.sub_(m2)  # z - m, exact
+    if At2 is not None:
+        inside = (t_c >= v0) & (t_c < v1)
+        idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
+        d_t = z.gather(1, idx)
+        p_t = (d_t - logs2).exp_()
+        g_t = At2 if B2 is None else At2 + B2 * d_t
+        dz_t = torch.where(p_t > 0, p_t * g_t, 0.0) - C2
+        if E2 is not None:
+            dz_t = dz_t - E2 * (class_w_c[idx] if class_w_c is not None else 1.0)
     if B2 is not None:
         g = z.mul(B2).add_(A2)  # A + B (z - m): B multiplies z - m, no cancellation at |z| ~ 1e4
         dz = z.sub_(logs2).exp_()
@@ -356,7 +390,9 @@ def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c):
             dz.addcmul_(E2, class_w_c[None, :], value=-1.0)
         else:
             dz.sub_(E2)
-    if C2 is not None:
+    if At2 is not None:
+        dz.scatter_(1, idx, torch.where(inside[:, None], dz_t, dz.gather(1, idx)))
+    elif C2 is not None:
         inside = (t_c >= v0) & (t_c < v1)
         idx = (t_c - v0).clamp(0, v1 - v0 - 1)
         dz.scatter_add_(1, idx[:, None], torch.where(inside[:, None], -C2, torch.zeros_like(C2)))
@@ -390,7 +426,7 @@ class _CrossEntropy(torch.autograd.Function):
         n, V = logits.shape
         acc = acc_dtype(logits.dtype)
         chunk = lambda i0, i1, v0, v1: transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
-        m, logs, zt, sw, ref, _ = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
+        m, logs, zt, sw, ref, *_ = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
                                              label_smoothing > 0.0, False)
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
         loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)

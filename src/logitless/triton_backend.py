@@ -24,7 +24,7 @@ def kernels():
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
                  "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx) "
-                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
@@ -34,10 +34,11 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
               skip_threshold, workspace_bytes, want_stash, stash_dx):
-    """(m, logs, zt, sw, ent), each (N,) float32, the per-(token block, tile) log-sum-exp maxima that the
-    backward's skipping needs (empty unless want_tiles), and the stash: the buffer of the weight's gradient, in
+    """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
+    backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in
     which the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash
-    and there is room). lse = m + logs and sw = sum_j w_j (z_j - m). For autograd the row max m is a constant offset
+    and there is room), and with the entropy and a target the backward's (mu, rest) (loss_math.head_coefficients;
+    else empty). lse = m + logs and sw = sum_j w_j (z_j - m). For autograd the row max m is a constant offset
     (every use of these statistics is invariant to shifting it), so its gradient is ignored and logs carries
     d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold, workspace_bytes and stash_dx (the backward
     computes the input's gradient) are for the backward."""
@@ -49,11 +50,15 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = lh._new(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
     extra = {} if stash is None else {"stash": (stash, layout)}
+    mu_rest = None
+    if want_entropy and target is not None:
+        mu_rest = extra["mu_rest"] = lh._new((2, x.shape[0]), device=x.device, dtype=torch.float32)
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
     if tiles is None or x.shape[0] == 0:
         tiles = x.new_empty(0, dtype=torch.float16)
-    return (*stats, tiles, stash if stash is not None else weight.new_empty(0))
+    mu, rest = (mu_rest[0], mu_rest[1]) if mu_rest is not None else (x.new_empty(0, dtype=torch.float32),) * 2
+    return (*stats, tiles, stash if stash is not None else weight.new_empty(0), mu.clone(), rest.clone())
 
 
 @_stats_op.register_fake
@@ -63,40 +68,43 @@ def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, wan
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
-    return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash)
+    n_mu = x.shape[0] if want_entropy and target is not None else 0
+    return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash,
+            x.new_empty(n_mu, dtype=torch.float32), x.new_empty(n_mu, dtype=torch.float32))
 
 
 _GRAD_ARGS = ("Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, Tensor m, Tensor logs, "
               "Tensor A, Tensor? B, Tensor? C, Tensor? E, float? softcap, float inv_temp, bool need_dx, "
               "bool need_dw, bool need_db, Tensor? perm, Tensor? tile_lse, float skip_threshold, "
-              "int? workspace_bytes")
+              "int? workspace_bytes, Tensor? At")
 _GRAD_SCHEMA = f"({_GRAD_ARGS}) -> (Tensor, Tensor, Tensor)"
 
 
 def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-              need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash=None):
+              need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash=None):
     bias = None if bias is None else bias.contiguous()  # as in _stats_op
     extra = {} if stash is None else {"stash": stash}
     return kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
                                tile_lse=tile_lse, skip_threshold=skip_threshold, workspace_bytes=workspace_bytes,
-                               **extra)
+                               At=At, **extra)
 
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
 def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-             need_db, perm, tile_lse, skip_threshold, workspace_bytes):
-    """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j; a gradient not asked for is empty.
+             need_db, perm, tile_lse, skip_threshold, workspace_bytes, At):
+    """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j (with At, the target's column
+    p_t (At + B (z_t - m)) - C - E w_t: loss_math.head_coefficients); a gradient not asked for is empty.
     With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
     dx, dw, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
-                           need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes)
+                           need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
 
 
 @_grad_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes):
+      perm, tile_lse, skip_threshold, workspace_bytes, At):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -106,17 +114,17 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 @torch.library.custom_op("logitless::linear_head_grad_into", mutates_args=("stash",),
                          schema=f"({_GRAD_ARGS}, Tensor(a!) stash) -> (Tensor, Tensor)")
 def _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-                  need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash):
+                  need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash):
     """linear_head_grad with the forward's stash (need_dw set): dW is written into it (the logits it holds are
     used up); returns (dx, db), empty where not asked for. Eager backward only (stats, _stats_backward)."""
     dx, _, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
-                          need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, stash)
+                          need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash)
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, db))
 
 
 @_grad_into_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, stash):
+      perm, tile_lse, skip_threshold, workspace_bytes, At, stash):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, db
@@ -125,38 +133,40 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
      ws, _want_stash, _stash_dx) = inputs
-    m, logs, _, _, ent, tiles, stash = output
+    m, logs, _, _, ent, tiles, stash, mu, rest = output
+    has_mu = want_entropy and target is not None
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
-                          tiles if want_tiles and x.shape[0] != 0 else None)
+                          tiles if want_tiles and x.shape[0] != 0 else None, mu if has_mu else None,
+                          rest if has_mu else None)
     ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws)
     # The stash is not a saved tensor: the backward writes dW over it (a saved tensor's version check would fail)
     # and hands it on as the weight's gradient after dropping this reference, so that AccumulateGrad takes it over
     # without a copy. Non-differentiable, so it holds no reference back to this node.
-    ctx.mark_non_differentiable(stash)
+    ctx.mark_non_differentiable(stash, mu, rest)
     ctx.stash = stash if stash.numel() else None
     # Outputs without an upstream gradient get None, not zeros: a zero "gradient" of the stash would be V x D.
     ctx.set_materialize_grads(False)
 
 
-def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash):
-    x, weight, bias, target, class_weight, m, logs, ent, perm, tiles = ctx.saved_tensors
+def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g_mu, _g_rest):
+    x, weight, bias, target, class_weight, m, logs, ent, perm, tiles, mu, rest = ctx.saved_tensors
     softcap, inv_temp, want_smooth, want_entropy, tau, ws = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
         return (None,) * 15
-    A, B, C, E = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
-                                   g_sw if want_smooth else None, g_ent if want_entropy else None)
+    A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
+                                       g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest)
     # The stash is used up by the first backward (it becomes dW); another one (retain_graph=True) recomputes, and
     # so does a backward that builds a graph (create_graph=True: the functional op, whose double backward raises).
     stash, ctx.stash = ctx.stash, None
     if stash is not None and not torch.is_grad_enabled() and need_dw:
         dx, db = _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                               need_dx, need_dw, need_db, perm, tiles, tau, ws, stash)
+                               need_dx, need_dw, need_db, perm, tiles, tau, ws, At, stash)
         dw = stash
     else:
         dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                              need_dx, need_dw, need_db, perm, tiles, tau, ws)
+                              need_dx, need_dw, need_db, perm, tiles, tau, ws, At)
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 12
 
 

@@ -4,18 +4,19 @@ Launchers (no autograd here). Inputs are 2-D and already validated: x (N, D) and
 bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Strides are free (no copies are made).
 
     forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
-                  tile_lse=None, stash=None)
+                  tile_lse=None, stash=None, mu_rest=None)
         -> (m, logs, zt, sw, ent), each (N,) float32:
            m = max_j z_j;  logs = log sum_j exp(z_j - m) (lse = m + logs, kept apart so that z - m stays exact);
            zt = z_target;  sw = sum_j w_j (z_j - m) (w_j the class weights, or 1);  ent = entropy of softmax(z).
            zt / sw / ent are 0 when not asked for (target None, want_smooth / want_entropy False).
-           tile_lse, a float32 buffer of tile_grid(x, w), receives per (token block b, vocabulary tile t) the
-           largest log sum_{j in t} exp(z_ij) over the rows i of b: the statistic that bounds what the backward
-           may skip (skip_plan).
+           tile_lse, a float16 buffer of tile_grid(x, w) = (N, tiles), receives each row's log sum_{j in t}
+           exp(z_ij) per vocabulary tile t: the statistic that bounds what the backward may skip (skip_plan). mu_rest, a (2, N) float32 buffer (entropy and target), receives
+           mu = sum_j p_j (z_j - m) and rest = sum_{j != target} exp(z_j - m), for the entropy's backward.
     backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None)
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None)
         -> (dx | None, dw | None, db | None), in the dtypes of x, W and b, for the per-row float32 coefficients of
-           dL/dz_j = p_j (A + B (z_j - m)) - C [j == target] - E w_j  (B, C, E may be None: that term is absent).
+           dL/dz_j = p_j (A + B (z_j - m)) - C [j == target] - E w_j  (B, C, E may be None: that term is absent);
+           with At (and C), the target's column is p_t (At + B (z_t - m)) - C - E w_t instead.
            With tile_lse and skip_threshold > 0 (and no B or E term), the (token block, tile) pairs that skip_plan
            finds cold are skipped: neither recomputed nor multiplied.
 
@@ -39,8 +40,8 @@ uses atomics; _dgrad_kernel reduces in a fixed order, and cuBLAS is bitwise repr
 model (NVIDIA's documented guarantee), so every gradient is.
 
 Sparsity (docs/kernels.md): on a peaked softmax most (token block x tile) pairs hold a probability mass far below the
-input dtype's resolution. skip_plan bounds, per row, the mass of the pairs it skips by skip_threshold and never skips
-a tile that holds a row's target; the dz kernel returns at once on a cold pair, and both products walk only the hot
+input dtype's resolution. skip_plan groups rows that need few tiles together, bounds each row's skipped mass by its
+budget (skip_threshold, or a budget from the row's largest logit) and never skips a tile that holds a row's target; the dz kernel returns at once on a cold pair, and both products walk only the hot
 pairs (a list per token block and per tile, built on the device).
 
 Modules, in the order a call goes through them: launch (the two launchers; the backward's buffer aliasing rules are

@@ -14,10 +14,24 @@ from .tiles import classes, grouped, logits_tile, transform
 
 
 @triton.jit
+def _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B: tl.constexpr):
+    """g with its target entries (is_t) replaced by p_t (At + B (z_t - m)) - C, the target's own form
+    (loss_math.head_coefficients: C is then (1 - p_t) C_0, formed without cancelling against p_t A)."""
+    at = tl.load(at_ptr + rows_in)
+    if HAS_B:
+        bc = tl.load(bc_ptr + rows_in)
+        gt = p * (at[:, None] + bc[:, None] * zm)
+    else:
+        gt = p * at[:, None]
+    gt = tl.where(p > 0, gt, 0.0) - c[:, None]
+    return tl.where(is_t, gt, g)
+
+
+@triton.jit
 def _dz_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
-    dz_ptr, dbp_ptr, zs_ptr, zo_ptr,
+    dz_ptr, dbp_ptr, zs_ptr, zo_ptr, at_ptr,
     # sizes
     N, D, v_begin, v_end, n_vtiles,
     # strides
@@ -29,7 +43,7 @@ def _dz_kernel(
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
     HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr, LOAD_Z: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_AT: tl.constexpr,
 ):
     # Programs that run together share GROUP token blocks and their W tiles in L2. (Token-block-major, each wave
     # re-read the chunk's whole W: at gemma2-2b's first chunk the L2 hit rate rose from 67% to 78% with GROUP 8.)
@@ -93,13 +107,21 @@ def _dz_kernel(
         tgt = tl.load(t_ptr + rows_in)
         c = tl.load(c_ptr + rows_in)
         if HAS_PERM:
-            g = g - tl.where(cls[None, :] == tgt[:, None], c[:, None], 0.0)
+            is_t = cls[None, :] == tgt[:, None]
+            if HAS_AT:
+                g = _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B)
+            else:
+                g = g - tl.where(is_t, c[:, None], 0.0)
         else:
             inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, v_end))
             # Most tiles hold none of the block's targets: the per-element select runs only where one does.
             if tl.max(inside.to(tl.int32), axis=0) > 0:
                 rel = tl.where(inside, tgt - col0, -1).to(tl.int32)  # the target's offset in the tile, or -1
-                g = g - tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], c[:, None], 0.0)
+                is_t = tl.arange(0, BLOCK_V)[None, :] == rel[:, None]
+                if HAS_AT:
+                    g = _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B)
+                else:
+                    g = g - tl.where(is_t, c[:, None], 0.0)
     if HAS_E:
         e = tl.load(e_ptr + rows_in)
         if HAS_CLASS_WEIGHT:

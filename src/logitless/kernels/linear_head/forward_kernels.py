@@ -16,7 +16,7 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
     """Folds a tile of logits z [BLOCK_N, BLOCK_V] into its rows' running statistics (see _fwd_kernel): max m, sum
     of exponentials s relative to m, entropy sum ent, smoothing sum sw, class-weight sum wsum. MASKED: columns
     where col_ok is false are past the vocabulary and do not count. Returns (m, s, ent, sw, wsum) updated and the
-    tile's own sum of exponentials (relative to the new m)."""
+    tile's own sum of exponentials (relative to the new m) and exponentials e [BLOCK_N, BLOCK_V]."""
     if MASKED:
         m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
     else:
@@ -38,20 +38,20 @@ def _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum,
             cw = col_ok.to(tl.float32)
         sw = sw - wsum * (m_new - m) + tl.sum(cw[None, :] * d, axis=1)
         wsum += tl.sum(cw, axis=0)
-    return m_new, s, ent, sw, wsum, e_sum
+    return m_new, s, ent, sw, wsum, e_sum, e
 
 
 @triton.jit
 def _fwd_step(
     x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
     N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
-    pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+    pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum, rest,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TARGET: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PERM: tl.constexpr,
     RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_V: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr,
 ):
     """One vocabulary tile of _fwd_kernel: the tile at col0 folded into the rows' running statistics; returns them
     and the next tile's col0. STASH: the tile's logits are also kept for the backward (STASH_TMA: zs_out is a
@@ -66,11 +66,12 @@ def _fwd_step(
     # fold runs on that tile alone, since the epilogue is on the critical path. (With EVEN_V, a constant, the
     # `or` is decided at compile time: no run-time test.)
     if EVEN_V or col0 + BLOCK_V <= V:
-        m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
-                                                    HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+        m_new, s, ent, sw, wsum, e_sum, e = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, False,
+                                                       HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
     else:
-        m_new, s, ent, sw, wsum, e_sum = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
-                                                    HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+        m_new, s, ent, sw, wsum, e_sum, e = _fold_tile(z, col_ok, cls, cw_ptr, m, s, ent, sw, wsum, True,
+                                                       HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY)
+    rest_tile = e_sum
     if RECORD_TILES:
         # Each row's log-sum-exp over the tile (m_new + log of the tile's own sum), as float16 in the row's
         # (N, n_vtiles) record: 2^-11 relative, which the plan widens upwards before it bounds a mass with it. A sum
@@ -96,22 +97,31 @@ def _fwd_step(
     if HAS_TARGET:
         # A target outside this launch's classes (ignored, or on another vocabulary shard) never matches.
         if HAS_PERM:
-            zt += tl.sum(tl.where((cls[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+            is_t = (cls[None, :] == tgt[:, None]) & col_ok[None, :]
+            zt += tl.sum(tl.where(is_t, z, 0.0), axis=1)
+            if HAS_REST:
+                rest_tile = tl.sum(tl.where(is_t, 0.0, e), axis=1)
         else:
             inside = (tgt >= col0) & (tgt < tl.minimum(col0 + BLOCK_V, V))
             # Most tiles hold none of the block's targets: the per-element select runs only where one does.
             if tl.max(inside.to(tl.int32), axis=0) > 0:
                 # The target's offset in this tile per row (-1 outside it): one int32 compare per element.
                 rel = tl.where(inside, tgt - col0, -1).to(tl.int32)
-                zt += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == rel[:, None], z, 0.0), axis=1)
-    return m_new, s, zt, sw, ent, wsum, col0 + BLOCK_V
+                is_t = tl.arange(0, BLOCK_V)[None, :] == rel[:, None]
+                zt += tl.sum(tl.where(is_t, z, 0.0), axis=1)
+                if HAS_REST:
+                    rest_tile = tl.sum(tl.where(is_t, 0.0, e), axis=1)
+    if HAS_REST:
+        # The mass outside the target, summed without it (s - exp(z_t - m) would cancel for a near-certain row).
+        rest = rest * exp(m - m_new) + rest_tile
+    return m_new, s, zt, sw, ent, wsum, rest, col0 + BLOCK_V
 
 
 @triton.jit
 def _fwd_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
-    m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out, zs_out, zo_out,
+    m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out, zs_out, zo_out, rest_out,
     # sizes
     N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
     # strides
@@ -124,7 +134,7 @@ def _fwd_kernel(
     RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_V: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr,
 ):
     # Two phases of programs (_fwd_layout): first n_big splits of tiles_big tiles for every token block, then the
     # rest of each block's tiles in n_small splits of tiles_small, which fill the multiprocessors the first phase
@@ -152,6 +162,7 @@ def _fwd_kernel(
     zt = tl.zeros((BLOCK_N,), tl.float32)
     sw = tl.zeros((BLOCK_N,), tl.float32)  # sum w_j (z_j - m), kept relative to the running max
     ent = tl.zeros((BLOCK_N,), tl.float32)  # sum exp(z_j - m) (z_j - m)
+    rest = tl.zeros((BLOCK_N,), tl.float32)  # sum_{j != t} exp(z_j - m)
     wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)  # class weights seen so far (the same for every row)
     col0 = j0.to(tl.int64) * BLOCK_V  # int64: the interpreter's loop counters are Python ints
     # With STASH, tiles [j0, j_mid) are stashed, in a loop of their own (phase 0; unrolled at compile time): the
@@ -163,13 +174,13 @@ def _fwd_kernel(
         lo = j0 if phase == 0 else j_mid
         hi = j_mid if phase == 0 else j1
         for _ in range(lo, hi):
-            m, s, zt, sw, ent, wsum, col0 = _fwd_step(
+            m, s, zt, sw, ent, wsum, rest, col0 = _fwd_step(
                 x_ptr, w_ptr, b_ptr, cw_ptr, perm_ptr, tiles_out, zs_out, zo_out,
                 N, V, D, n_vtiles, stride_xn, stride_xd, stride_wv, stride_wd, softcap, inv_temp,
-                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum,
+                pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum, rest,
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
                 RECORD_TILES, phase == 0, STASH_TMA and phase == 0, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
-                DOT_PRECISION, UPCAST, USE_TMA, EVEN_V)
+                DOT_PRECISION, UPCAST, USE_TMA, EVEN_V, HAS_REST)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)
@@ -181,18 +192,23 @@ def _fwd_kernel(
             tl.store(ws_out + split, wsum)
     if HAS_ENTROPY:
         tl.store(ent_out + out, ent, mask=row_ok)
+    if HAS_REST:
+        tl.store(rest_out + out, rest, mask=row_ok)
 
 
 @triton.jit
 def _combine_kernel(
     # pointers
-    m_in, s_in, zt_in, sw_in, ent_in, ws_in,
-    m_out, logs_out, zt_out, sw_out, ent_out,
+    m_in, s_in, zt_in, sw_in, ent_in, ws_in, rest_in,
+    m_out, logs_out, zt_out, sw_out, ent_out, mu_out, rest_out,
     # sizes
     N, n_splits,
     # meta-parameters
-    HAS_TARGET: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TARGET: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_REST: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    # With HAS_REST (the entropy's backward: mu_out and rest_out given), also mu = sum_j p_j (z_j - m) and
+    # rest = sum_{j != t} exp(z_j - m) (loss_math.head_coefficients).
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
     big_m = tl.full((BLOCK,), -1e30, tl.float32)
@@ -204,6 +220,7 @@ def _combine_kernel(
     zt = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((BLOCK,), tl.float32)
     ent = tl.zeros((BLOCK,), tl.float32)
+    rest = tl.zeros((BLOCK,), tl.float32)
     off = rows
     for sp in range(0, n_splits):
         mi = tl.load(m_in + off, mask=ok, other=-1e30)
@@ -216,6 +233,8 @@ def _combine_kernel(
             sw += tl.load(sw_in + off, mask=ok, other=0.0) + tl.load(ws_in + sp) * (mi - big_m)
         if HAS_ENTROPY:
             ent += rescale_ent(tl.load(ent_in + off, mask=ok, other=0.0), si, sc, mi - big_m)
+        if HAS_REST:
+            rest += tl.load(rest_in + off, mask=ok, other=0.0) * sc
         off += N
     big_s = tl.where(ok, big_s, 1.0)
     log_s = tl.log(big_s)
@@ -224,5 +243,9 @@ def _combine_kernel(
     tl.store(zt_out + rows, zt, mask=ok)
     tl.store(sw_out + rows, sw, mask=ok)
     if HAS_ENTROPY:
-        ent = log_s - ent / big_s
+        mu = ent / big_s
+        if HAS_REST:
+            tl.store(mu_out + rows, mu, mask=ok)
+            tl.store(rest_out + rows, rest, mask=ok)
+        ent = log_s - mu
     tl.store(ent_out + rows, ent, mask=ok)

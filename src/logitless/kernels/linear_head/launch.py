@@ -13,9 +13,11 @@ from .forward_kernels import _combine_kernel, _fwd_kernel
 
 
 def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
-                  tile_lse=None, stash=None):
+                  tile_lse=None, stash=None, mu_rest=None):
     """Per-row (m, logs, zt, sw, ent) float32 of the head (and tile_lse filled when given); see the package
-    docstring. stash: None, or (buffer, layout), a (V, D) tensor of W's dtype that will be the weight's gradient
+    docstring. mu_rest: None, or a (2, N) float32 buffer (with want_entropy and a target) filled with the entropy
+    backward's mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m) (loss_math.head_coefficients).
+    stash: None, or (buffer, layout), a (V, D) tensor of W's dtype that will be the weight's gradient
     and its stash_layout: the logits of the layout's classes are kept there for backward(stash=buffer)."""
     N, D = x.shape
     V = w.shape[0]
@@ -33,10 +35,12 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     n_big, tiles_big, n_small, tiles_small = plans._fwd_layout(n_blocks, n_vtiles, sms, cfg.group, cfg.waves)
     n_splits = n_big + n_small
     has_target = target is not None
+    has_rest = mu_rest is not None
+    assert not has_rest or (has_target and want_entropy and mu_rest.shape == (2, N))
     # Absent operands are None: Triton makes such an argument a constexpr, and the kernel's flag for it keeps the
     # code that would read it out.
     # Partial statistics per split: m and s always, the others only where asked for.
-    kept = [True, True, has_target, bool(want_smooth), bool(want_entropy)]
+    kept = [True, True, has_target, bool(want_smooth), bool(want_entropy), has_rest]
     part = new_buffer((sum(kept), n_splits, N), **f32)
     part = [part[sum(kept[:i])] if k else None for i, k in enumerate(kept)]
     wsum = new_buffer(n_splits, **f32)
@@ -55,7 +59,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
             zs = configs.descriptor(zs, [cfg.block_v, cfg.block_n])
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b, target, class_w, perm,
-        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo,
+        part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo, part[5],
         N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
@@ -63,23 +67,26 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_SMOOTH=bool(want_smooth), HAS_CLASS_WEIGHT=class_w is not None, HAS_ENTROPY=bool(want_entropy),
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None, STASH=stash is not None,
         STASH_TMA=stash_tma, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-        EVEN_K=D % cfg.block_k == 0, **dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0,
+        EVEN_K=D % cfg.block_k == 0, **dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0, HAS_REST=has_rest,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
     _combine_kernel[(cdiv(N, block),)](
-        part[0], part[1], part[2], part[3], part[4], wsum,
-        outs[0], outs[1], outs[2], outs[3], outs[4],
+        part[0], part[1], part[2], part[3], part[4], wsum, part[5],
+        outs[0], outs[1], outs[2], outs[3], outs[4], mu_rest[0] if has_rest else None,
+        mu_rest[1] if has_rest else None,
         N, n_splits,
-        HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), BLOCK=block,
+        HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), HAS_REST=has_rest,
+        BLOCK=block,
         num_warps=4,
     )
     return tuple(outs)
 
 
 def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None):
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None):
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the package docstring.
+    At (with C): the target's column is p_t (At + B (z_t - m)) - C - E w_t (loss_math.head_coefficients).
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
     only with skip_threshold > 0 and without a B or E term (their error is not bounded by the probability mass
     alone). workspace_bytes: what the workspaces may take beyond O(N) (plans._workspace; None: the default policy,
@@ -91,7 +98,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     need_db = bool(need_db and b is not None)
     if x.dtype != torch.float32 and 0 < D < current_tuning().narrow_d:
         return _narrow_backward(x, w, b, target, class_w, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-                                need_db, perm, workspace_bytes, stash)
+                                need_db, perm, workspace_bytes, stash, At)
     lay = None
     if stash is not None:
         lay = plans.stash_layout(x, w, need_dx, workspace_bytes)
@@ -115,9 +122,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         # and of the per-row vectors, O(N D)) and dx comes back to the input's order at the end.
         def take(t):
             return None if t is None else t.index_select(0, rows)
-        x, target, m, logs, A, C = (take(t) for t in (x, target, m, logs, A, C))
-    _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E), softcap, inv_temp, perm, sp, workspace_bytes, dx, dw,
-              db, lay).run(need_dx, need_dw, need_db)
+        x, target, m, logs, A, C, At = (take(t) for t in (x, target, m, logs, A, C, At))
+    _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes, dx,
+              dw, db, lay).run(need_dx, need_dw, need_db)
     if rows is not None and dx is not None:
         dx = torch.empty_like(dx).index_copy_(0, rows, dx)
     if db is not None and perm is not None:
@@ -126,14 +133,14 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
 
 
 def _narrow_backward(x, w, b, target, class_w, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-                     perm, workspace_bytes, stash):
+                     perm, workspace_bytes, stash, At=None):
     """backward at D < Tuning.narrow_d for half-precision inputs: on float32 copies (dL/dz kept in float32 for the
     products), gradients cast back to the inputs' dtypes. No skipping (tile_lse follows the half-precision tiles,
     and there is no product worth skipping); a stash is used up by writing dW into it."""
     b32 = None if b is None else b.float()
     dx, dw, db = backward(x.float(), w.float(), b32, target, class_w, m, logs, A, B, C, E, softcap=softcap,
                           inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
-                          workspace_bytes=workspace_bytes)
+                          workspace_bytes=workspace_bytes, At=At)
     if dw is not None:
         dw = stash.copy_(dw) if stash is not None else dw.to(w.dtype)
     return (None if dx is None else dx.to(x.dtype), dw, None if db is None else db.to(b.dtype))
@@ -168,7 +175,7 @@ class _Backward:
         N, D = x.shape
         V = w.shape[0]
         self.x, self.w, self.b, self.target, self.class_w, self.m, self.logs = x, w, b, target, class_w, m, logs
-        self.A, self.B, self.C, self.E = coefs
+        self.A, self.B, self.C, self.E, self.At = coefs
         self.softcap, self.inv_temp, self.perm = softcap, inv_temp, perm
         self.dx, self.dw, self.db, self.lay = dx, dw, db, lay
         self.N, self.V, self.D = N, V, D
@@ -267,7 +274,7 @@ class _Backward:
         x, w = self.x, self.w
         bk._dz_kernel[(self.n_blocks * cdiv(v1 - v0, cfg.dz_block_v),)](
             self.dz_x, self.dz_w, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
-            self.sp.hot if self.skip else None, dz, dbp, zs, zo,
+            self.sp.hot if self.skip else None, dz, dbp, zs, zo, self.At,
             N, self.D, v0, v1, self.n_vtiles,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
             dz.stride(1) if store else 1, dbp.stride(0) if with_db else 0,
@@ -278,7 +285,7 @@ class _Backward:
             SKIP=self.skip, LOAD_Z=stashed,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
             EVEN_K=self.D % cfg.block_k == 0, **self.dot,
-            USE_TMA=self.dz_tma,
+            USE_TMA=self.dz_tma, HAS_AT=self.At is not None and C is not None and target is not None,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )
         if with_db:
