@@ -10,7 +10,8 @@ bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Stride
            zt = z_target;  sw = sum_j w_j (z_j - m) (w_j the class weights, or 1);  ent = entropy of softmax(z).
            zt / sw / ent are 0 when not asked for (target None, want_smooth / want_entropy False).
            tile_lse, a float16 buffer of tile_grid(x, w) = (N, tiles), receives each row's log sum_{j in t}
-           exp(z_ij) per vocabulary tile t: the statistic that bounds what the backward may skip (skip_plan). mu_rest, a (2, N) float32 buffer (entropy and target), receives
+           exp(z_ij) per vocabulary tile t: the statistic that bounds what the backward may skip (skip_plan).
+           mu_rest, a (2, N) float32 buffer (entropy and target), receives
            mu = sum_j p_j (z_j - m) and rest = sum_{j != target} exp(z_j - m), for the entropy's backward.
     backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
              perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None)
@@ -41,7 +42,8 @@ model (NVIDIA's documented guarantee), so every gradient is.
 
 Sparsity (docs/kernels.md): on a peaked softmax most (token block x tile) pairs hold a probability mass far below the
 input dtype's resolution. skip_plan groups rows that need few tiles together, bounds each row's skipped mass by its
-budget (skip_threshold, or a budget from the row's largest logit) and never skips a tile that holds a row's target; the dz kernel returns at once on a cold pair, and both products walk only the hot
+budget (skip_threshold, or a budget from the row's largest logit) and never skips a tile that holds a row's target; the
+dz kernel returns at once on a cold pair, and both products walk only the hot
 pairs (a list per token block and per tile, built on the device).
 
 Modules, in the order a call goes through them: launch (the two launchers; the backward's buffer aliasing rules are
