@@ -327,8 +327,9 @@ def test_backward_workspaces(tune, name, products, monkeypatch):
 @pytest.fixture
 def stash_spy(tune, monkeypatch):
     """Forces the stash's conditions and records the addresses of (stash buffer, dW returned) of each backward that
-    used one (not the tensors: a reference held here would make autograd copy the gradient)."""
-    tune(torch_products=True)
+    used one (not the tensors: a reference held here would make autograd copy the gradient). The interpreter's
+    tiles on a GPU too: the GPU's first-pass chunks (8192 classes) leave the tests' small heads no room to stash."""
+    tune(torch_products=True, linear_config=lh_configs.interpreter_config())
     used = []
     backward = lh.backward
 
@@ -1057,7 +1058,8 @@ def test_workspace_bytes_log_probs_and_module(tune, monkeypatch):
     assert "workspace_bytes=" in repr(loss_fn)
     xo, wo = leaves(x, w)
     grads(loss_fn(xo, wo, t), [xo, wo])
-    assert seen == [True, True, True]
+    # three backwards, each with its own accumulator (on a GPU the forwards' stash layouts read the plan too)
+    assert len(seen) >= 3 and all(seen)
 
 
 def test_bad_workspace_bytes():

@@ -61,7 +61,6 @@ class Tuning:
     # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
     # False keeps the rows' own order (tests that place hot tiles by row).
     skip_group_rows: bool = True
-    skip_rows_descending: bool = False
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

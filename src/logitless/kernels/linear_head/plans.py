@@ -126,8 +126,7 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     q.masked_fill_((A == 0)[:, None], 0.0)
     rows = None
     if group_rows and B > 1:
-        rows = torch.sort((q > _HOT_FRACTION).sum(1), descending=bool(current_tuning().skip_rows_descending),
-                          stable=True).indices
+        rows = torch.sort((q > _HOT_FRACTION).sum(1), stable=True).indices
     # Per block of (ordered) rows: the longest prefix of its tiles, sorted by their largest relative mass, that
     # keeps every row's running sum within its budget (float32 sums: the 2^-16 margin covers their rounding).
     cold = torch.zeros(B, T, dtype=torch.bool, device=dev)
