@@ -8,7 +8,8 @@ linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-u
 tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one profiled
 fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz kernel, the
 gradient products, the rest). Each --tune (comma-separated field=value pairs of kernels.Tuning, integers or floats)
-is a variant run at every threshold; none: the defaults. Errors against float64 are the benchmark's job (`logitless
+is a variant run at every threshold; none: the defaults. A field `cfg.NAME` changes that field of the device's
+linear-head Config (e.g. `cfg.grad_stages=3`). Errors against float64 are the benchmark's job (`logitless
 bench`, whose provider logitless-triton-skip is skip_threshold="auto").
 """
 
@@ -78,7 +79,14 @@ def main(argv=None) -> int:
                 loss = logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold=thr)
                 torch.autograd.grad(loss, [x, w])
 
-            with kernels.tuning(debug_plans=plans, **variant):
+            tune = dict(variant)
+            cfg_fields = {k[4:]: v for k, v in tune.items() if k.startswith("cfg.")}
+            tune = {k: v for k, v in tune.items() if not k.startswith("cfg.")}
+            if cfg_fields:
+                from logitless.kernels import linear_head as lh
+
+                tune["linear_config"] = lh.config_for(x).replace(**cfg_fields)
+            with kernels.tuning(debug_plans=plans, **tune):
                 ms = _time(step, args.reps)
                 plans.clear()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
