@@ -142,7 +142,7 @@ def main():
     if args.kinds:
         _kinds(xs, ws, xt, wt, g, args.reps, rate)
     base = two_heads._config(xs)
-    st = None
+    st = ref_st = None
     for spec in args.fwd:
         (bn, bv, bk, warps, stages), fused, group = _spec(spec)
         cfg = base.replace(block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages, dz_block_v=bv,
@@ -153,7 +153,13 @@ def main():
                                                          softcap=None, inv_temp=1.0), args.reps)
                 jsd = _ms(lambda: two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="jsd", beta=0.5,
                                                           softcap=None, inv_temp=1.0), args.reps)
-                print(f"two-head forward {spec:16s} kl {rate(kl, 2)}   jsd {rate(jsd, 4)}")
+                got = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None,
+                                              inv_temp=1.0)
+                if ref_st is None:
+                    ref_st = got
+                diff = max((a - b).abs().max().item() for a, b in zip(got[:6], ref_st[:6], strict=True))
+                print(f"two-head forward {spec:16s} kl {rate(kl, 2)}   jsd {rate(jsd, 4)}   "
+                      f"max |stats - first config's| {diff:.2e}")
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is a result too)
                 print(f"two-head forward {spec:16s} failed: {type(e).__name__}: {str(e)[:120]}")
             if st is None:
@@ -163,6 +169,7 @@ def main():
     if st is None:
         st = two_heads.forward_stats(xs, ws, None, xt, wt, None, kind="fkl", beta=0.5, softcap=None, inv_temp=1.0)
     m_s, logs_s, m_t, logs_t = st[:4]
+    ref_dx = None
     for spec in args.dz:
         dz_tiles, fused, group = _spec(spec)
 
@@ -174,7 +181,12 @@ def main():
         with tuning(two_heads_config=base.replace(group=group or base.group), two_heads_dz=dz_tiles,
                     two_heads_fused_k=fused):
             try:
-                print(f"two-head backward {spec:15s}", rate(_ms(bwd2, args.reps), 4))
+                t2 = _ms(bwd2, args.reps)
+                dx2 = bwd2()[0].float()
+                if ref_dx is None:
+                    ref_dx = dx2
+                diff = ((dx2 - ref_dx).norm() / ref_dx.norm()).item()
+                print(f"two-head backward {spec:15s}", rate(t2, 4), f"  dx vs first config's {diff:.2e}")
             except Exception as e:  # noqa: BLE001
                 print(f"two-head backward {spec:15s} failed: {type(e).__name__}: {str(e)[:120]}")
 
