@@ -177,6 +177,25 @@ def test_bench_runs_on_a_data_file(tmp_path, capsys):
     data._loaded.clear()
 
 
+def test_real_sorted_is_the_same_problem_in_mass_order(tmp_path):
+    """--data real-sorted: the head's rows and the targets permuted together (same losses), classes in decreasing
+    mass over the tokens left out of the batch."""
+    path = real.write(tmp_path / "head.pt", _fake_real(V=96, D=64, N=40))
+    plain = data.make_head("real", 16, 64, 96, dtype=torch.float32, data_file=path)
+    srt = data.make_head("real-sorted", 16, 64, 96, dtype=torch.float32, data_file=path)
+    assert "sorted by softmax mass over held-out tokens" in srt.description
+    ce = lambda h: torch.nn.functional.cross_entropy(h.input @ h.weight.T, h.target, reduction="none")
+    torch.testing.assert_close(ce(srt), ce(plain), rtol=1e-5, atol=1e-5)
+    src = real.load(path)
+    held = src["input"][16:].float()
+    p = torch.softmax(held @ srt.weight.float().T, dim=1).sum(0)
+    assert torch.all(p[:-1] >= p[1:] - 1e-4)  # decreasing mass over the held-out rows
+    # With too few tokens left out, the batch's own mass orders the classes (and the description says so).
+    srt_all = data.make_head("real-sorted", 40, 64, 96, dtype=torch.float32, data_file=path)
+    assert "the batch itself" in srt_all.description
+    data._loaded.clear()
+
+
 # Gemma 3 270M's head with its hidden states on the standard-library text (python -m logitless.bench.real),
 # N = 256 tokens at 4 places of the 16384 (0, 4096, 8192, 12288), 128 x 256 pairs: the smallest and largest
 # figure in percent, per order: cold, skip at 2^-12, 2^-8, 2^-6; entropy and loss in nats.

@@ -132,7 +132,7 @@ class Heads:
         key = (kind, s.N, s.D, s.V, dtype)
         if key not in self._cache:
             self._cache.clear()  # one head alive at a time: the large shapes are gigabytes
-            extra = self.real if kind == "real" else {}
+            extra = self.real if kind in data.REAL_KINDS else {}
             self._cache[key] = data.make_head(kind, s.N, s.D, s.V, dtype=DTYPES[dtype], device=self.device,
                                               seed=self.seed, **extra)
         return self._cache[key]

@@ -174,8 +174,8 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     for k in kinds:
         if k not in data.KINDS:
             parser.error(f"unknown data kind {k!r}; expected one of {', '.join(data.KINDS)}")
-    if args.data_file and "real" not in kinds:
-        parser.error("--data-file is read by --data real only")
+    if args.data_file and not any(k in data.REAL_KINDS for k in kinds):
+        parser.error("--data-file is read by --data real (or real-sorted) only")
     shapes = []
     for text in _split(args.preset):
         if text not in C.PRESETS:
@@ -190,13 +190,13 @@ def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Optio
     cases, skipped = [], []
     for job in jobs:
         for k in kinds:
-            if k == "real":
+            if k in data.REAL_KINDS:
                 job_shapes = shapes or [C.parse_shape(n) for n in (C.REAL_GPU_PRESETS if gpu else C.REAL_CPU_PRESETS)]
             else:
                 job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
             for s in job_shapes:
                 try:
-                    why = _real_refuses(s, args.data_file) if k == "real" else None
+                    why = _real_refuses(s, args.data_file) if k in data.REAL_KINDS else None
                 except (OSError, ValueError) as e:
                     parser.error(f"--data-file: {e}")
                 if why:

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-KINDS = ("lm", "uniform", "real", "lm-v1")
+KINDS = ("lm", "uniform", "real", "real-sorted", "lm-v1")
+REAL_KINDS = ("real", "real-sorted")
 
 # The calibrated `lm` generator, measured on Gemma 3 270M's head with its hidden states on 4096 tokens of
 # standard-library text (docs/data.md). Its logits, centred per row, by the class's rank in the batch's
@@ -211,9 +212,25 @@ def real_source(V: int, data_file=None, cache_dir=None) -> dict:
     return _loaded[key]
 
 
+def mass_order(x: torch.Tensor, w: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """Class ids by decreasing softmax mass summed over the rows of x (float32 logits x W^T, in row chunks): the
+    order in which a vocabulary stored by how much probability it takes puts its classes."""
+    mass = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    wf = w.float()
+    for i in range(0, x.shape[0], rows):
+        mass += torch.softmax(x[i:i + rows].float() @ wf.T, dim=1).sum(0)
+    return torch.argsort(mass, descending=True, stable=True)
+
+
 def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, data_file=None,
-              cache_dir=None) -> Head:
-    """A pretrained model's head on real text (see real.py): the first N tokens, lifted to D; V must be the model's."""
+              cache_dir=None, sorted_vocab: bool = False) -> Head:
+    """A pretrained model's head on real text (see real.py): the first N tokens, lifted to D; V must be the model's.
+
+    sorted_vocab: the head's rows (and the targets) in order of decreasing softmax mass over the prepared tokens
+    that are not in the batch (the tokens after the first N; the batch itself when fewer than min(N, 1024) are
+    left): the
+    same losses and gradients (up to the permutation), with the vocabulary stored as a module that keeps its
+    classes in the order of earlier batches' mass would store it."""
     from . import real
 
     src = real_source(V, data_file, cache_dir)
@@ -223,8 +240,20 @@ def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", see
     device = torch.device(device)
     x = src["input"][:N].to(device)
     w = src["weight"].to(device)
+    target = src["target"][:N].to(device)
+    desc = real.describe(src, D)
+    if sorted_vocab:
+        held_out = src["input"].shape[0] - N >= min(1024, N)
+        held = src["input"][N:] if held_out else src["input"][:N]
+        order = mass_order(held.to(device), w)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=device)
+        w = w[order]
+        target = torch.where(target >= 0, inv[target.clamp_min(0)], target)
+        where = "held-out tokens" if held_out else "the batch itself (too few tokens left out)"
+        desc += f"; vocabulary sorted by softmax mass over {where}"
     x, w = real.lift(x, w, D, seed=seed, dtype=dtype)
-    return Head(x, w, src["target"][:N].to(device), real.describe(src, D))
+    return Head(x, w, target, desc)
 
 
 def make_head(kind: str, N: int, D: int, V: int, *, data_file=None, cache_dir=None, **kw) -> Head:
@@ -234,8 +263,8 @@ def make_head(kind: str, N: int, D: int, V: int, *, data_file=None, cache_dir=No
         return uniform(N, D, V, **kw)
     if kind == "lm-v1":
         return lm_like_v1(N, D, V, **kw)
-    if kind == "real":
-        return real_head(N, D, V, data_file=data_file, cache_dir=cache_dir, **kw)
+    if kind in REAL_KINDS:
+        return real_head(N, D, V, data_file=data_file, cache_dir=cache_dir, sorted_vocab=kind == "real-sorted", **kw)
     raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
 
 
