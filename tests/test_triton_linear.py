@@ -908,6 +908,26 @@ def test_skip_groups_rows(tune, small_tiles):
     assert (grouped.row_bound <= TAU).all() and (grouped.row_bound > 0).any()
 
 
+def test_skip_vocab_stored_by_mass(tune, small_tiles):
+    # Every block's hot classes are scattered over tiles 0-3 in id order, so nothing but tile 4 is cold; with the
+    # head stored by the mass of another sample (VocabOrder), they fill tile 0 and the plan skips tiles 1-4 for every
+    # block. The sorted problem's loss and gradients stay within the error rule against float64.
+    hot_sets = [[1, 70, 140, 210], [2, 71, 141, 211], [3, 72, 142, 212]]
+    x, w, t = peaked(torch.bfloat16, hot_sets, n=96)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    assert plans[0].hot[:, :4].all()
+    sample = peaked(torch.bfloat16, hot_sets, n=96, seed=1)[0]
+    order = logitless.VocabOrder.by_mass(sample, w)
+    assert set(order.ids[:12].tolist()) == {c for cs in hot_sets for c in cs}
+    plans, (dx, dw) = skip_check(x, order.sort(w), None, order.map_ids(t), tune, skip_threshold=TAU)
+    assert torch.equal(plans[0].hot.cpu(), torch.tensor([[1, 0, 0, 0, 0]] * 3, dtype=torch.uint8))
+    # The same gradients as the problem in id order, up to the permutation of dW's rows.
+    xo, wo = leaves(x, w)
+    ref = grads(logitless.linear_cross_entropy(xo, wo, t, backend="triton"), [xo, wo])
+    torch.testing.assert_close(dx.float(), ref[0].float(), rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(order.unsort(dw).float(), ref[1].float(), rtol=2e-2, atol=1e-3)
+
+
 def test_skip_auto_budget(tune, small_tiles):
     # skip_threshold="auto": each row may lose 2^-11 max(1, |m_i|) of its mass in bfloat16 (2^-14 in float16), a
     # quarter of the rounding of its largest logit to the dtype; float32 inputs skip nothing. Tile 4 holds 3 x 2^-12

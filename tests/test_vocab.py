@@ -1,0 +1,89 @@
+"""VocabOrder: a vocabulary stored in another order (the head's rows permuted once, ids mapped to positions) gives
+the same losses and gradients up to the permutation, on both backends; bad orders are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import logitless
+from logitless import VocabOrder
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_orders_and_their_inverses():
+    order = VocabOrder.by_counts(torch.tensor([3, 9, 0, 9, 5]))
+    assert order.ids.tolist() == [1, 3, 4, 0, 2]  # decreasing, ties in id order
+    assert order.positions.tolist() == [3, 0, 4, 1, 2]
+    t = torch.tensor([0, 1, -100, 4, 2, 7], dtype=torch.int32)
+    m = order.map_ids(t)
+    assert m.dtype == torch.int32 and m.tolist() == [3, 0, -100, 2, 4, 7]  # outside 0..V-1: left for the loss
+    assert torch.equal(order.unmap_ids(m), t)
+    w = torch.randn(5, 3)
+    assert torch.equal(order.unsort(order.sort(w)), w)
+    assert torch.equal(order.sort(w)[0], w[1])
+    z = torch.randn(2, 5)
+    assert torch.equal(order.unsort(order.sort(z, dim=1), dim=1), z)
+    assert len(order) == 5 and "V=5" in repr(order)
+
+
+@pytest.mark.parametrize("ids, error", [
+    (torch.tensor([0, 1, 1]), ValueError), (torch.tensor([0, 1, 3]), ValueError),
+    (torch.tensor([-1, 0, 1]), ValueError),
+    (torch.tensor([0.0, 1.0]), TypeError), (torch.zeros(2, 2, dtype=torch.long), TypeError),
+    (torch.tensor([], dtype=torch.long), ValueError),
+])
+def test_bad_orders_are_refused(ids, error):
+    with pytest.raises(error, match="ids"):
+        VocabOrder(ids)
+
+
+def test_shape_mismatch_is_named():
+    order = VocabOrder(torch.arange(4))
+    with pytest.raises(ValueError, match="3 classes along dim 0, the order 4"):
+        order.sort(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="share D"):
+        VocabOrder.by_mass(torch.zeros(2, 3), torch.zeros(4, 2))
+    with pytest.raises(TypeError, match="integer"):
+        order.map_ids(torch.zeros(2))
+
+
+def test_by_mass_orders_by_softmax_mass():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(37, 8, generator=g), torch.randn(50, 8, generator=g), torch.randn(50, generator=g)
+    order = VocabOrder.by_mass(x.view(1, 37, 8), w, b, softcap=3.0, temperature=0.7, rows=5)
+    z = 3.0 * torch.tanh((x.double() @ w.double().T + b.double()) / 3.0)
+    mass = torch.softmax(z / 0.7, 1).sum(0)
+    assert torch.equal(order.ids, torch.argsort(mass, descending=True, stable=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_same_loss_and_gradients_in_stored_order(backend):
+    g = torch.Generator().manual_seed(1)
+    N, D, V = 29, 16, 97
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    b = torch.randn(V, generator=g)
+    cw = torch.rand(V, generator=g) + 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3] = -100
+    order = VocabOrder.by_mass(torch.randn(11, D, generator=g), w, b)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, backend=backend)
+    leaves = [a.to(DEV).clone().requires_grad_() for a in (x, w, b)]
+    loss = logitless.linear_cross_entropy(leaves[0], leaves[1], t.to(DEV), linear_bias=leaves[2], weight=cw.to(DEV),
+                                          **kw)
+    loss.backward()
+    o = order.to(DEV)
+    sl = [leaves[0].detach().clone().requires_grad_(), o.sort(w.to(DEV)).requires_grad_(),
+          o.sort(b.to(DEV)).requires_grad_()]
+    loss_s = logitless.linear_cross_entropy(sl[0], sl[1], o.map_ids(t.to(DEV)), linear_bias=sl[2],
+                                            weight=o.sort(cw.to(DEV)), **kw)
+    loss_s.backward()
+    torch.testing.assert_close(loss_s, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sl[0].grad, leaves[0].grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(o.unsort(sl[1].grad), leaves[1].grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(o.unsort(sl[2].grad), leaves[2].grad, rtol=1e-4, atol=1e-5)
+    lp = logitless.linear_log_probs(x.to(DEV), w.to(DEV), t.clamp(min=0).to(DEV), backend=backend)
+    lp_s = logitless.linear_log_probs(x.to(DEV), o.sort(w.to(DEV)), o.map_ids(t.clamp(min=0).to(DEV)), backend=backend)
+    torch.testing.assert_close(lp_s, lp, rtol=1e-5, atol=1e-5)
