@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...loss_math import default_workspace_bytes
 from .._common import INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
 from .._tuning import current_tuning
 from . import backward_kernels as bk
@@ -117,6 +118,13 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if sink is not None:
             sink.append(sp)
     rows = None if sp is None else sp.rows
+    if sp is not None and perm is None:
+        # What skipping holds during the backward counts against the budget: the forward's tile log-sum-exps and,
+        # with grouped rows, the reordered copy of x. (With a vocabulary order the budget stays the forward's: the
+        # order was made for the workspaces that budget gives.)
+        held = tile_lse.numel() * tile_lse.element_size() + (x.numel() * x.element_size() if rows is not None else 0)
+        budget = default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
+        workspace_bytes = max(0, budget - held)
     if rows is not None:
         # The plan's blocks are blocks of its row order: the backward runs on the rows in that order (copies of x
         # and of the per-row vectors, O(N D)) and dx comes back to the input's order at the end.
