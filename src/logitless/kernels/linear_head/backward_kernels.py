@@ -340,8 +340,8 @@ def _dgrad_kernel(
     DO_DW: tl.constexpr, DO_DX: tl.constexpr, DX_ACCUMULATE: tl.constexpr, DW_EVEN_K: tl.constexpr,
     DX_EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr, DW_SCATTER: tl.constexpr, SKIP: tl.constexpr,
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DX_BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
     # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
@@ -357,7 +357,7 @@ def _dgrad_kernel(
             _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                      N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                     SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
     elif DO_DW:
         _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                  N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
@@ -368,7 +368,7 @@ def _dgrad_kernel(
         _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                  N, D, n_vrows, n_vtiles, tile0, tile1,
                  stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                 SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+                 SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
 
 
 @triton.jit

@@ -39,6 +39,14 @@ class Config:
     balance: bool = True  # split the dW reduction when a chunk's few long dW tiles would idle most of the GPU
     wide: int = 4096  # first-pass chunks up to this many classes while their dz fits in unwritten dW rows
     grad_tma: bool = False  # gradient products' operands through tensor descriptors where possible
+    # dx output tiles' columns in the Triton gradient products (0: block_d). Narrower dx tiles give a chunk's
+    # always-hot token blocks more programs: skipping, the few blocks that need every tile otherwise reduce over the
+    # whole chunk in a handful of programs while the rest of the GPU idles.
+    dx_block_d: int = 0
+
+    @property
+    def dx_d(self) -> int:
+        return self.dx_block_d or self.block_d
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -80,7 +88,7 @@ def interpreter_config() -> Config:
     every direction."""
     return Config(block_n=32, block_v=64, block_k=32, fwd_warps=1, fwd_stages=1,
                   block_m=32, block_d=32, block_kg=32, grad_warps=1, grad_stages=1,
-                  group=2, waves=4, dz_block_v=64, wide=160)
+                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16)
 
 
 def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:

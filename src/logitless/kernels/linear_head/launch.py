@@ -312,7 +312,7 @@ class _Backward:
             products._products_torch(dz, x, w[v0:v1], dw[v0:v1] if do_dw else None, dx_acc, accumulate)
             return
         n_out = cdiv(rows, cfg.block_m) * cdiv(D, cfg.block_d)
-        n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.block_d) if do_dx else 0
+        n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.dx_d) if do_dx else 0
         splits, k_per_split, part = 1, N, None
         room_bytes = self.ws.scratch if scratch_free else (0 if room is None else room.numel() * room.element_size())
         if do_dw and do_dx and scratch_free and cfg.balance:
@@ -351,7 +351,7 @@ class _Backward:
             if self.x_desc is None:  # the same for every chunk (host time: a launch costs tens of microseconds)
                 self.x_desc = configs.descriptor(x, [kg, bd])
             descs = (configs.descriptor(dz, [kg, bm]), configs.descriptor(dz, [bm, kg]), self.x_desc,
-                     configs.descriptor(wv, [kg, bd]))
+                     configs.descriptor(wv, [kg, cfg.dx_d]))
         bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
             dz, x, wv, dw_out, dx_acc,
             None if perm is None else perm[v0:], *self.lists, *descs,
@@ -365,7 +365,8 @@ class _Backward:
             DW_EVEN_K=N % cfg.block_kg == 0 and k_per_split % cfg.block_kg == 0,
             DX_EVEN_K=rows % cfg.block_kg == 0, HAS_PERM=has_perm, DW_SCATTER=scatter, SKIP=skip,
             MAP_N=cfg.block_n, MAP_V=cfg.block_v,
-            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group, **self.dot,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, DX_BLOCK_D=cfg.dx_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group,
+            **self.dot,
             USE_TMA=grad_tma, num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
         if part is not None:
