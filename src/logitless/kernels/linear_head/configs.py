@@ -43,6 +43,11 @@ class Config:
     # always-hot token blocks more programs: skipping, the few blocks that need every tile otherwise reduce over the
     # whole chunk in a handful of programs while the rest of the GPU idles.
     dx_block_d: int = 0
+    # First-pass chunks of up to this many classes when the backward skips (0: wide). A skipping chunk's kernels
+    # are short, so each chunk's fixed costs (launches, the dx accumulator's round trip) weigh more: H100, Gemma 3
+    # 270M's head stored in mass order, 32768 against 8192 classes: 11.2 against 12.8 ms at D = 640, 25.1 against
+    # 25.9 ms at D = 2304 (tools/gpu_skip.py).
+    skip_wide: int = 0
 
     @property
     def dx_d(self) -> int:
@@ -64,7 +69,7 @@ def hopper_config() -> Config:
     same)."""
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
-                  group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192)
+                  group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768)
 
 
 def small_smem_config() -> Config:
@@ -88,7 +93,7 @@ def interpreter_config() -> Config:
     every direction."""
     return Config(block_n=32, block_v=64, block_k=32, fwd_warps=1, fwd_stages=1,
                   block_m=32, block_d=32, block_kg=32, grad_warps=1, grad_stages=1,
-                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16)
+                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16, skip_wide=320)
 
 
 def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:
