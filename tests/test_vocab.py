@@ -87,3 +87,34 @@ def test_same_loss_and_gradients_in_stored_order(backend):
     lp = logitless.linear_log_probs(x.to(DEV), w.to(DEV), t.clamp(min=0).to(DEV), backend=backend)
     lp_s = logitless.linear_log_probs(x.to(DEV), o.sort(w.to(DEV)), o.map_ids(t.clamp(min=0).to(DEV)), backend=backend)
     torch.testing.assert_close(lp_s, lp, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_model_with_a_tied_head_in_stored_order():
+    # A transformers model whose embedding is tied to the head: sorting the head's rows sorts the embedding's too, so
+    # the model is fed positions (order.map_ids) for its inputs and labels; loss and logits are the same, the logits
+    # in stored order.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    assert model.get_input_embeddings().weight is model.lm_head.weight
+    ids = torch.randint(3, 97, (2, 9))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    with torch.no_grad():
+        ref_loss = model(input_ids=ids, labels=labels).loss
+        ref_logits = model(input_ids=ids).logits
+    order = VocabOrder.by_counts(torch.bincount(ids.flatten(), minlength=97))
+    with torch.no_grad():
+        model.lm_head.weight.data = order.sort(model.lm_head.weight.data)
+    logitless.patch(model)
+    try:
+        loss = model(input_ids=order.map_ids(ids), labels=order.map_ids(labels)).loss
+    finally:
+        logitless.unpatch(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        logits = model(input_ids=order.map_ids(ids)).logits
+    torch.testing.assert_close(order.unsort(logits, dim=-1), ref_logits, rtol=1e-5, atol=1e-5)
