@@ -89,16 +89,19 @@ def test_same_loss_and_gradients_in_stored_order(backend):
     torch.testing.assert_close(lp_s, lp, rtol=1e-5, atol=1e-5)
 
 
-def test_hf_model_with_a_tied_head_in_stored_order():
-    # A transformers model whose embedding is tied to the head: sorting the head's rows sorts the embedding's too, so
-    # the model is fed positions (order.map_ids) for its inputs and labels; loss and logits are the same, the logits
-    # in stored order.
+def _tiny_llama(tied: bool):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=64, tie_word_embeddings=True)
+                                   max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def test_hf_model_with_a_tied_head_in_stored_order_by_hand():
+    # Sorting a tied head's rows sorts the embedding's too, so the model is fed positions (order.map_ids) for its
+    # inputs and labels; loss and logits are the same, the logits in stored order.
+    model = _tiny_llama(tied=True)
     assert model.get_input_embeddings().weight is model.lm_head.weight
     ids = torch.randint(3, 97, (2, 9))
     labels = ids.clone()
@@ -118,3 +121,49 @@ def test_hf_model_with_a_tied_head_in_stored_order():
     with torch.no_grad():
         logits = model(input_ids=order.map_ids(ids)).logits
     torch.testing.assert_close(order.unsort(logits, dim=-1), ref_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_patch_keeps_the_head_in_order(tied):
+    # patch(vocab_order=...) stores the head (and a tied embedding) in the order and maps ids inside: the model is
+    # the same function (training loss and gradients, eval logits) on class ids; unpatch puts the rows back.
+    model = _tiny_llama(tied)
+    ids = torch.randint(3, 97, (2, 9))
+    labels = ids.clone()
+    labels[1, -3:] = -100
+    w0 = model.lm_head.weight.detach().clone()
+    ref_loss = model(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ref_grad = model.lm_head.weight.grad.clone()
+    ref_emb_grad = model.get_input_embeddings().weight.grad.clone()
+    model.zero_grad()
+    with torch.no_grad():
+        model.eval()
+        ref_logits = model(input_ids=ids).logits
+        ref_gen = model.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.train()
+    order = VocabOrder.by_mass(torch.randn(20, 32), w0)
+    logitless.patch(model, vocab_order=order, skip_threshold="auto")
+    assert torch.equal(model.lm_head.weight.detach(), order.sort(w0))
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(order.unsort(model.lm_head.weight.grad), ref_grad, rtol=1e-4, atol=1e-6)
+    if not tied:
+        torch.testing.assert_close(model.get_input_embeddings().weight.grad, ref_emb_grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref_logits, rtol=1e-5, atol=1e-5)
+        eval_loss = model(input_ids=ids, labels=labels).loss  # the model's own loss, labels mapped inside
+        torch.testing.assert_close(eval_loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert torch.equal(model.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0), ref_gen)
+        model.train()
+    logitless.unpatch(model)
+    assert torch.equal(model.lm_head.weight.detach(), w0)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref_logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="vocab_order has 5 classes"):
+        logitless.patch(model, vocab_order=VocabOrder(torch.arange(5)))
+    with pytest.raises(TypeError, match="VocabOrder"):
+        logitless.patch(model, vocab_order=torch.arange(97))

@@ -32,6 +32,7 @@ from torch import nn
 from .. import _validate
 from .._dispatch import BACKENDS
 from ..linear_cross_entropy import check_workspace, linear_cross_entropy
+from ..vocab import VocabOrder
 from . import heads
 
 
@@ -68,6 +69,10 @@ class _Plan:
     checks_router_logits: bool
     output_cls: type
     options: dict
+    # With a vocabulary order: the order (on the head's device) and the hook that maps input ids to positions (a
+    # tied embedding); removed, and the head put back in class order, by unpatch.
+    vocab_order: Any = None
+    hooks: tuple = ()
 
 
 def _find_backbone(model: nn.Module) -> nn.Module:
@@ -201,6 +206,8 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         # Position i predicts token i + 1; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.to(hidden.device).reshape(-1)
+    if plan.vocab_order is not None:
+        target = plan.vocab_order.map_ids(target)
     x = hidden.reshape(-1, hidden.shape[-1])
     if x.shape[0] != target.shape[0]:
         raise ValueError(
@@ -216,6 +223,7 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
         softcap=softcap, label_smoothing=plan.options["label_smoothing"], z_loss=plan.options["z_loss"],
         backend=plan.options["backend"], workspace_bytes=plan.options["workspace_bytes"],
+        skip_threshold=plan.options["skip_threshold"],
     )
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -248,9 +256,29 @@ def _patched_forward(model: nn.Module, plan: _Plan, *args, **kwargs):
         call = dict(plan.signature.bind_partial(*args, **kwargs).arguments)
         if call.get("labels") is not None:
             return _fused_forward(model, plan, call)
-    if plan.prior_forward is not None:
-        return plan.prior_forward(*args, **kwargs)
-    return type(model).forward(model, *args, **kwargs)
+    original = plan.prior_forward or functools.partial(type(model).forward, model)
+    if plan.vocab_order is None:
+        return original(*args, **kwargs)
+    return _forward_in_order(original, plan, args, kwargs)
+
+
+def _forward_in_order(original, plan: _Plan, args, kwargs):
+    """The model's own forward with its head stored in plan.vocab_order: labels (and shift_labels) go in as
+    positions, so its loss is the loss on class ids; logits come back in class order."""
+    call = dict(plan.signature.bind_partial(*args, **kwargs).arguments)
+    if plan.varkw is not None:
+        call.update(call.pop(plan.varkw, {}))
+    order = plan.vocab_order
+    for name in ("labels", "shift_labels"):
+        if isinstance(call.get(name), torch.Tensor):
+            call[name] = order.map_ids(call[name])
+    out = original(**call)
+    if isinstance(out, tuple):
+        i = 1 if call.get("labels") is not None else 0  # (loss, logits, ...) or (logits, ...)
+        return out[:i] + (order.unsort(out[i], dim=-1),) + out[i + 1:]
+    if getattr(out, "logits", None) is not None:
+        out.logits = order.unsort(out.logits, dim=-1)
+    return out
 
 
 def _installed_plan(model: nn.Module) -> _Plan | None:
@@ -268,6 +296,8 @@ def patch(
     ignore_index: int = -100,
     backend: str = "auto",
     workspace_bytes: int | None = None,
+    skip_threshold: float | str | None = None,
+    vocab_order: VocabOrder | None = None,
 ) -> nn.Module:
     """Make this causal-LM instance compute its training loss with ``linear_cross_entropy``, never building logits.
 
@@ -287,6 +317,13 @@ def patch(
         backend: "auto", "triton" or "torch", as in ``linear_cross_entropy``.
         workspace_bytes: memory the Triton backward may allocate, as in ``linear_cross_entropy`` (None: the
             memory policy's budget).
+        skip_threshold: as in ``linear_cross_entropy`` (None: no skipping; "auto" for a trained model's softmax).
+        vocab_order: a :class:`logitless.VocabOrder` of the model's vocabulary: the head's rows (and a tied input
+            embedding's, which are the same parameter) are stored in that order from now on, so the skipping
+            backward finds whole tiles cold. The model stays the same function: input ids and labels are mapped to
+            positions inside, and logits the unpatched forward returns (eval, generation) come back in class order.
+            Patch before building the optimizer (its state follows the parameters' elements), and unpatch, which
+            puts the rows back in class order, before saving the weights.
 
     Returns:
         ``model`` itself.
@@ -296,6 +333,9 @@ def patch(
     """
     _validate.check_options(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
     check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, "none", None, None)
+    if vocab_order is not None and not isinstance(vocab_order, VocabOrder):
+        raise TypeError(f"vocab_order must be a logitless.VocabOrder, got {type(vocab_order).__name__}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, nn.Module):
@@ -303,8 +343,10 @@ def patch(
     if _installed_plan(model) is not None:
         unpatch(model)
     options = dict(z_loss=float(z_loss), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
-                   backend=backend, workspace_bytes=workspace_bytes)
+                   backend=backend, workspace_bytes=workspace_bytes, skip_threshold=skip_threshold)
     plan = _make_plan(model, options)
+    if vocab_order is not None:
+        _store_in_order(model, plan, vocab_order)
     # A partial rather than a closure or a bound method: copy.deepcopy (TRL's reference model, EMA copies) then gives
     # the copy a forward bound to the copy and its own plan.
     forward = functools.partial(_patched_forward, model, plan)
@@ -328,4 +370,34 @@ def unpatch(model: nn.Module) -> nn.Module:
         model.forward = plan.prior_forward
     else:
         del model.forward
+    if plan.vocab_order is not None:
+        for h in plan.hooks:
+            h.remove()
+        head = _find_head(model)
+        with torch.no_grad():
+            head.weight.data = plan.vocab_order.unsort(head.weight.data)
+            if head.bias is not None:
+                head.bias.data = plan.vocab_order.unsort(head.bias.data)
     return model
+
+
+def _store_in_order(model: nn.Module, plan: _Plan, order: VocabOrder) -> None:
+    """Permute the head's rows into `order` and install the hooks that keep the model the same function."""
+    head = _find_head(model)
+    if len(order) != head.weight.shape[0]:
+        raise ValueError(f"logitless.patch: vocab_order has {len(order)} classes, the head {head.weight.shape[0]}")
+    order = order.to(head.weight.device)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = emb is not None and getattr(emb, "weight", None) is head.weight
+    with torch.no_grad():
+        head.weight.data = order.sort(head.weight.data)
+        if head.bias is not None:
+            head.bias.data = order.sort(head.bias.data)
+
+    hooks = []
+    if tied:
+        def map_inputs(module, args):  # the embedding's rows are the head's: ids to positions
+            return (order.map_ids(args[0]),) + tuple(args[1:])
+
+        hooks.append(emb.register_forward_pre_hook(map_inputs))
+    plan.vocab_order, plan.hooks = order, tuple(hooks)
