@@ -73,7 +73,9 @@ class SkipPlan(NamedTuple):
     pre_n: torch.Tensor  # (n_blocks, n_vtiles + 1) int32: hot tiles of the block before each tile
     list_v: torch.Tensor  # (n_vtiles, n_blocks) int32: per tile, its hot token blocks first, ascending
     pre_v: torch.Tensor  # (n_vtiles, n_blocks + 1) int32: hot blocks of the tile before each block
-    row_bound: torch.Tensor  # (N,) float32: bound on each row's skipped probability mass (0 where A = 0)
+    # (N,) float32: bound on each row's skipped probability mass (0 where A = 0); computed only for those who read
+    # it (Tuning.debug_plans set: tests, tools), None otherwise (an N x V/256 pass the backward does not need).
+    row_bound: torch.Tensor | None
     rows: torch.Tensor | None  # (N,) int64: row k of the backward's order is row rows[k] of the input; or None
 
 
@@ -140,11 +142,13 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         run = torch.gather(qb, 2, order[:, None, :].expand(nb, block_n, T)).cumsum(2).amax(1)
         cold[lo // block_n: lo // block_n + nb].scatter_(1, order, run <= 1.0 - 2.0**-16)
     hot = ~cold
-    # Each row's bound on its skipped mass, in input row order.
-    blk = torch.arange(N, device=dev) // block_n
-    if rows is not None:
-        blk = torch.empty_like(blk).index_copy_(0, rows, blk)
-    row_bound = (torch.where(cold[blk], q, 0.0).sum(1, dtype=torch.float64) * tau).float()
+    row_bound = None
+    if current_tuning().debug_plans is not None:
+        # Each row's bound on its skipped mass, in input row order.
+        blk = torch.arange(N, device=dev) // block_n
+        if rows is not None:
+            blk = torch.empty_like(blk).index_copy_(0, rows, blk)
+        row_bound = (torch.where(cold[blk], q, 0.0).sum(1, dtype=torch.float64) * tau).float()
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(
