@@ -61,6 +61,9 @@ class Tuning:
     # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
     # False keeps the rows' own order (tests that place hot tiles by row).
     skip_group_rows: bool = True
+    # Skipping, the gradient products' launch runs its dx tiles first, those of the last token blocks (the rows that
+    # need the most tiles) before all others (backward_kernels._dgrad_kernel).
+    skip_dx_first: bool = True
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

@@ -342,11 +342,27 @@ def _dgrad_kernel(
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DX_BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DX_FIRST: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
+    # Skipping with DX_FIRST, the other way round, last token block first: the rows grouped last need the most
+    # tiles, so their dx tiles are the chunk's longest programs, and started last they would end it alone.
     # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
     pid = tl.program_id(0)
-    if DO_DW and DO_DX:
+    if DO_DW and DO_DX and DX_FIRST:
+        n_dx = tl.num_programs(0) - n_dw_tiles
+        if pid < n_dx:
+            _dx_tile(n_dx - 1 - pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
+                     N, D, n_vrows, n_vtiles, tile0, tile1,
+                     stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
+                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+        else:
+            _dw_tile(pid - n_dx, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
+                     N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
+                     stride_dz, stride_xn, stride_xd, stride_dwv, stride_dwd, stride_dws,
+                     DW_EVEN_K, DW_SCATTER, SKIP, MAP_N, MAP_V, BLOCK_M, BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION,
+                     UPCAST, USE_TMA)
+    elif DO_DW and DO_DX:
         if pid < n_dw_tiles:
             _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                      N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,

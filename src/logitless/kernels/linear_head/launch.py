@@ -369,7 +369,8 @@ class _Backward:
             MAP_N=cfg.block_n, MAP_V=cfg.block_v,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, DX_BLOCK_D=cfg.dx_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group,
             **self.dot,
-            USE_TMA=grad_tma, num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
+            USE_TMA=grad_tma, DX_FIRST=bool(skip and current_tuning().skip_dx_first),
+            num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
         if part is not None:
             n = rows * D
