@@ -64,6 +64,10 @@ class Tuning:
     # Skipping, the gradient products' launch runs its dx tiles first, those of the last token blocks (the rows that
     # need the most tiles) before all others (backward_kernels._dgrad_kernel).
     skip_dx_first: bool = True
+    # ... and deals each dx tile's reduction out to up to this many programs (float32 partials of dx, N x D each,
+    # within the memory budget, added in a fixed order): the rows grouped last need every tile, and their few dx
+    # tiles, each a reduction over the whole chunk, are the launch's critical path.
+    skip_dx_split: int = 4
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

@@ -245,7 +245,11 @@ def _dx_tile(
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    ks, part_ptr, KSPLIT: tl.constexpr,
 ):
+    # With KSPLIT > 1 the tile's reduction steps are dealt out to KSPLIT programs (step k to program k % KSPLIT):
+    # program ks = 0 adds its share to dx (ACCUMULATE) as the only program does, program ks > 0 writes its share to
+    # the float32 partial part_ptr[ks - 1] (contiguous (KSPLIT - 1, N, D)), added to dx afterwards in split order.
     pid_m, pid_d = grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
     row0 = pid_m.to(tl.int64) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -256,10 +260,10 @@ def _dx_tile(
     m_in = tl.minimum(row0 + offs_m, N - 1)  # rows past N repeat the last one (strided dimension); not stored
     out = dx_ptr + row0 * stride_dxn + (offs_m[:, None] * stride_dxn + offs_d[None, :] * stride_dxd)
     ok = m_ok[:, None] & d_ok[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if ACCUMULATE:
-        acc = tl.load(out, mask=ok, other=0.0)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        if ks == 0:
+            acc = tl.load(out, mask=ok, other=0.0)
     dense = True
     if SKIP:
         # The hot tiles of this token block (MAP_N is a multiple of BLOCK_M) inside the chunk's tiles [tile0, tile1),
@@ -270,7 +274,7 @@ def _dx_tile(
         dense = s_hi - s_lo == tile1 - tile0
         if s_hi - s_lo != tile1 - tile0:
             # (MAP_V // BLOCK_K reduction steps per tile)
-            for s in range(s_lo * (MAP_V // BLOCK_K), s_hi * (MAP_V // BLOCK_K)):
+            for s in range(s_lo * (MAP_V // BLOCK_K) + ks, s_hi * (MAP_V // BLOCK_K), KSPLIT):
                 t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
                 k0 = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K  # chunk columns
                 if USE_TMA:
@@ -293,15 +297,16 @@ def _dx_tile(
             # past N, the chunk or D are zeros.
             r0 = row0.to(tl.int32)
             d0 = (pid_d * BLOCK_D).to(tl.int32)
-            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            for k in range(ks, tl.cdiv(n_vrows, BLOCK_K), KSPLIT):
                 a = dz_desc.load([r0, k * BLOCK_K])
                 b = w_desc.load([k * BLOCK_K, d0])
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
     else:
         if dense:
-            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :])  # dz [BLOCK_M, BLOCK_K]
-            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd)  # W[chunk] [BLOCK_K, BLOCK_D]
-            for k in range(0, tl.cdiv(n_vrows, BLOCK_K)):
+            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :]) + ks * BLOCK_K  # dz [BLOCK_M, BLOCK_K]
+            # W[chunk] [BLOCK_K, BLOCK_D]
+            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd) + ks * BLOCK_K * stride_wv
+            for k in range(ks, tl.cdiv(n_vrows, BLOCK_K), KSPLIT):
                 if HAS_PERM:
                     # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
                     kk = k * BLOCK_K + offs_k
@@ -318,16 +323,22 @@ def _dx_tile(
                     a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_wv
-    tl.store(out, acc, mask=ok)
+                a_ptrs += KSPLIT * BLOCK_K
+                b_ptrs += KSPLIT * BLOCK_K * stride_wv
+    if KSPLIT == 1:
+        tl.store(out, acc, mask=ok)
+    elif ks == 0:
+        tl.store(out, acc, mask=ok)
+    else:
+        dst = part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :])
+        tl.store(dst, acc, mask=ok)
 
 
 @triton.jit
 def _dgrad_kernel(
     # pointers (dz_ptr, and dw_ptr unless SCATTER, at the chunk's first column / output row; w_ptr at the chunk's
     # first row, or at W itself with a perm; perm_ptr at the chunk's first position)
-    dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, list_v_ptr, pre_v_ptr,
+    dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, list_v_ptr, pre_v_ptr, dx_part_ptr,
     # tensor descriptors (USE_TMA): dz by [BLOCK_K, BLOCK_M] and [BLOCK_M, BLOCK_K], x and W[chunk] by
     # [BLOCK_K, BLOCK_D]
     dzt_desc, dz_desc, x_desc, w_desc,
@@ -342,7 +353,7 @@ def _dgrad_kernel(
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DX_BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    DX_FIRST: tl.constexpr,
+    DX_FIRST: tl.constexpr, DX_SPLIT: tl.constexpr,
 ):
     # The long dW tiles (reduction over all N tokens) come first so the short dx tiles fill the tail of the grid.
     # Skipping with DX_FIRST, the other way round, last token block first: the rows grouped last need the most
@@ -350,12 +361,14 @@ def _dgrad_kernel(
     # list_n / pre_n: hot tiles per token block (for dx); list_v / pre_v: hot token blocks per tile (for dW).
     pid = tl.program_id(0)
     if DO_DW and DO_DX and DX_FIRST:
+        # (DX_SPLIT programs per dx tile, the tile's splits next to each other)
         n_dx = tl.num_programs(0) - n_dw_tiles
         if pid < n_dx:
-            _dx_tile(n_dx - 1 - pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
-                     N, D, n_vrows, n_vtiles, tile0, tile1,
+            _dx_tile((n_dx - 1 - pid) // DX_SPLIT, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc,
+                     w_desc, N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
+                     pid % DX_SPLIT, dx_part_ptr, DX_SPLIT)
         else:
             _dw_tile(pid - n_dx, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                      N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
@@ -373,7 +386,8 @@ def _dgrad_kernel(
             _dx_tile(pid - n_dw_tiles, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                      N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+                     SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
+                     0, dx_part_ptr, 1)
     elif DO_DW:
         _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                  N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
@@ -384,7 +398,8 @@ def _dgrad_kernel(
         _dx_tile(pid, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc, w_desc,
                  N, D, n_vrows, n_vtiles, tile0, tile1,
                  stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
-                 SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA)
+                 SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
+                 0, dx_part_ptr, 1)
 
 
 @triton.jit

@@ -118,13 +118,20 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         if sink is not None:
             sink.append(sp)
     rows = None if sp is None else sp.rows
+    dx_split = 1
     if sp is not None and perm is None:
         # What skipping holds during the backward counts against the budget: the forward's tile log-sum-exps and,
-        # with grouped rows, the reordered copy of x. (With a vocabulary order the budget stays the forward's: the
-        # order was made for the workspaces that budget gives.)
+        # with grouped rows, the reordered copy of x; then float32 partials of dx for split dx tiles
+        # (Tuning.skip_dx_split), as many as leave the accumulator and the scratch their room. (With a vocabulary
+        # order the budget stays the forward's: the order was made for the workspaces that budget gives.)
         held = tile_lse.numel() * tile_lse.element_size() + (x.numel() * x.element_size() if rows is not None else 0)
         budget = default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
-        workspace_bytes = max(0, budget - held)
+        left = max(0, budget - held)
+        acc = 4 * N * D
+        if need_dx and need_dw and acc > 0:
+            spare = (left - acc - current_tuning().scratch_bytes) // acc
+            dx_split = 1 + max(0, min(current_tuning().skip_dx_split - 1, spare))
+        workspace_bytes = left - (dx_split - 1) * acc
     if rows is not None:
         # The plan's blocks are blocks of its row order: the backward runs on the rows in that order (copies of x
         # and of the per-row vectors, O(N D)) and dx comes back to the input's order at the end.
@@ -132,7 +139,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
             return None if t is None else t.index_select(0, rows)
         x, target, m, logs, A, C, At = (take(t) for t in (x, target, m, logs, A, C, At))
     _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes, dx,
-              dw, db, lay).run(need_dx, need_dw, need_db)
+              dw, db, lay, dx_split).run(need_dx, need_dw, need_db)
     if rows is not None and dx is not None:
         dx = torch.empty_like(dx).index_copy_(0, rows, dx)
     if db is not None and perm is not None:
@@ -179,7 +186,7 @@ class _Backward:
     """
 
     def __init__(self, x, w, b, target, class_w, m, logs, coefs, softcap, inv_temp, perm, sp, workspace_bytes, dx, dw,
-                 db, lay):
+                 db, lay, dx_split=1):
         N, D = x.shape
         V = w.shape[0]
         self.x, self.w, self.b, self.target, self.class_w, self.m, self.logs = x, w, b, target, class_w, m, logs
@@ -210,6 +217,8 @@ class _Backward:
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
         self.scratch = None
         self.x_desc = None  # the gradient products' descriptor of x, made once
+        self.dx_split = dx_split  # programs per dx tile in skipping launches of both products (the budget's choice)
+        self.dx_part = None  # their float32 partials, (dx_split - 1, N, D), made at the first such launch
         if lay is not None:
             self.stash_zs, self.stash_zo = plans._stash_views(dw, lay, N, cfg)
             self.stash_dz = dw.view(-1)[lay.at: lay.at + lay.classes * N].view(lay.classes, N)
@@ -354,9 +363,13 @@ class _Backward:
                 self.x_desc = configs.descriptor(x, [kg, bd])
             descs = (configs.descriptor(dz, [kg, bm]), configs.descriptor(dz, [bm, kg]), self.x_desc,
                      configs.descriptor(wv, [kg, cfg.dx_d]))
-        bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles,)](
+        dx_first = bool(skip and current_tuning().skip_dx_first)
+        split = self.dx_split if (dx_first and do_dw and do_dx and dx_acc.is_contiguous()) else 1
+        if split > 1 and self.dx_part is None:
+            self.dx_part = new_buffer((split - 1, N, D), **self.f32)
+        bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles * split,)](
             dz, x, wv, dw_out, dx_acc,
-            None if perm is None else perm[v0:], *self.lists, *descs,
+            None if perm is None else perm[v0:], *self.lists, self.dx_part if split > 1 else None, *descs,
             N, D, rows, n_dw_tiles, k_per_split, n_out, self.n_blocks, self.n_vtiles, v0 // cfg.block_v,
             cdiv(v1, cfg.block_v),
             dz.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
@@ -369,9 +382,11 @@ class _Backward:
             MAP_N=cfg.block_n, MAP_V=cfg.block_v,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, DX_BLOCK_D=cfg.dx_d, BLOCK_K=cfg.block_kg, GROUP=cfg.group,
             **self.dot,
-            USE_TMA=grad_tma, DX_FIRST=bool(skip and current_tuning().skip_dx_first),
+            USE_TMA=grad_tma, DX_FIRST=dx_first, DX_SPLIT=split,
             num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
+        for i in range(split - 1):  # the splits' partials, in split order (deterministic)
+            dx_acc.add_(self.dx_part[i])
         if part is not None:
             n = rows * D
             bk._sum_splits_kernel[(cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
