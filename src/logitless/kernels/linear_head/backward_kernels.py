@@ -248,8 +248,9 @@ def _dx_tile(
     ks, part_ptr, KSPLIT: tl.constexpr,
 ):
     # With KSPLIT > 1 the tile's reduction steps are dealt out to KSPLIT programs (step k to program k % KSPLIT):
-    # program ks = 0 adds its share to dx (ACCUMULATE) as the only program does, program ks > 0 writes its share to
-    # the float32 partial part_ptr[ks - 1] (contiguous (KSPLIT - 1, N, D)), added to dx afterwards in split order.
+    # program ks = 0 adds its share to dx (ACCUMULATE) as the only program does; a program ks > 0 that has steps
+    # adds its share to the float32 partial part_ptr[ks - 1] (contiguous (KSPLIT - 1, N, D), zeros at first), which
+    # the launcher adds to dx once, after the last chunk, in split order. One without steps touches nothing.
     pid_m, pid_d = grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
     row0 = pid_m.to(tl.int64) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -260,11 +261,8 @@ def _dx_tile(
     m_in = tl.minimum(row0 + offs_m, N - 1)  # rows past N repeat the last one (strided dimension); not stored
     out = dx_ptr + row0 * stride_dxn + (offs_m[:, None] * stride_dxn + offs_d[None, :] * stride_dxd)
     ok = m_ok[:, None] & d_ok[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if ACCUMULATE:
-        if ks == 0:
-            acc = tl.load(out, mask=ok, other=0.0)
     dense = True
+    n_steps = tl.cdiv(n_vrows, BLOCK_K)
     if SKIP:
         # The hot tiles of this token block (MAP_N is a multiple of BLOCK_M) inside the chunk's tiles [tile0, tile1),
         # ascending: list_ptr[blk, pre[blk, tile0] : pre[blk, tile1]]. All of them hot: the dense loop below.
@@ -272,6 +270,19 @@ def _dx_tile(
         s_lo = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile0)
         s_hi = tl.load(pre_ptr + blk * (n_vtiles + 1) + tile1)
         dense = s_hi - s_lo == tile1 - tile0
+        if not dense:
+            n_steps = (s_hi - s_lo) * (MAP_V // BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if KSPLIT == 1:
+        if ACCUMULATE:
+            acc = tl.load(out, mask=ok, other=0.0)
+    elif ks == 0:
+        if ACCUMULATE:
+            acc = tl.load(out, mask=ok, other=0.0)
+    elif ks < n_steps:
+        acc = tl.load(part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :]), mask=ok,
+                      other=0.0)
+    if SKIP:
         if s_hi - s_lo != tile1 - tile0:
             # (MAP_V // BLOCK_K reduction steps per tile)
             for s in range(s_lo * (MAP_V // BLOCK_K) + ks, s_hi * (MAP_V // BLOCK_K), KSPLIT):
@@ -329,9 +340,8 @@ def _dx_tile(
         tl.store(out, acc, mask=ok)
     elif ks == 0:
         tl.store(out, acc, mask=ok)
-    else:
-        dst = part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :])
-        tl.store(dst, acc, mask=ok)
+    elif ks < n_steps:
+        tl.store(part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :]), acc, mask=ok)
 
 
 @triton.jit

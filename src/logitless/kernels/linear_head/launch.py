@@ -218,7 +218,8 @@ class _Backward:
         self.scratch = None
         self.x_desc = None  # the gradient products' descriptor of x, made once
         self.dx_split = dx_split  # programs per dx tile in skipping launches of both products (the budget's choice)
-        self.dx_part = None  # their float32 partials, (dx_split - 1, N, D), made at the first such launch
+        self.dx_part = None  # their float32 partials, (dx_split - 1, N, D), made at the first such launch and added
+        # to the dx accumulator after the first pass
         if lay is not None:
             self.stash_zs, self.stash_zo = plans._stash_views(dw, lay, N, cfg)
             self.stash_dz = dw.view(-1)[lay.at: lay.at + lay.classes * N].view(lay.classes, N)
@@ -260,6 +261,10 @@ class _Backward:
                 self.grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
                                dz_at is not None or plan.dz_main is not None)
                 first = False
+        if self.dx_part is not None:  # the split dx tiles' partials, in split order (deterministic)
+            for part in self.dx_part:
+                plan.dx_acc.add_(part)
+            self.dx_part = None
         if need_dx and plan.cast_dx:
             self.dx.copy_(plan.dx_acc)
         # Second pass: the dW rows that held the dx accumulator.
@@ -366,7 +371,7 @@ class _Backward:
         dx_first = bool(skip and current_tuning().skip_dx_first)
         split = self.dx_split if (dx_first and do_dw and do_dx and dx_acc.is_contiguous()) else 1
         if split > 1 and self.dx_part is None:
-            self.dx_part = new_buffer((split - 1, N, D), **self.f32)
+            self.dx_part = torch.zeros((split - 1, N, D), **self.f32)
         bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles * split,)](
             dz, x, wv, dw_out, dx_acc,
             None if perm is None else perm[v0:], *self.lists, self.dx_part if split > 1 else None, *descs,
@@ -385,8 +390,7 @@ class _Backward:
             USE_TMA=grad_tma, DX_FIRST=dx_first, DX_SPLIT=split,
             num_warps=cfg.grad_warps, num_stages=cfg.grad_stages,
         )
-        for i in range(split - 1):  # the splits' partials, in split order (deterministic)
-            dx_acc.add_(self.dx_part[i])
+
         if part is not None:
             n = rows * D
             bk._sum_splits_kernel[(cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
