@@ -928,6 +928,20 @@ def test_skip_vocab_stored_by_mass(tune, small_tiles):
     torch.testing.assert_close(order.unsort(dw).float(), ref[1].float(), rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("split,deal_pct", [(4, 100.0), (3, 0.0), (2, 100.0)])
+def test_skip_dx_split(tune, small_tiles, split, deal_pct):
+    # The skipping backward may deal each dx tile's reduction steps out to several programs (float32 partials added
+    # after the last chunk); dealt out (deal_pct 100) or not (0), the gradients hold the error rule, and equal the
+    # undealt ones to float32 rounding.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]], n=96)
+    tune(skip_dx_split=1)
+    _, ref = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    tune(skip_dx_split=split, skip_dx_deal_pct=deal_pct)
+    _, got = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=0, atol=0)  # dW: the same programs
+
+
 def test_skip_auto_budget(tune, small_tiles):
     # skip_threshold="auto": each row may lose 2^-11 max(1, |m_i|) of its mass in bfloat16 (2^-14 in float16), a
     # quarter of the rounding of its largest logit to the dtype; float32 inputs skip nothing. Tile 4 holds 3 x 2^-12

@@ -68,6 +68,8 @@ class Tuning:
     # within the memory budget, added in a fixed order): the rows grouped last need every tile, and their few dx
     # tiles, each a reduction over the whole chunk, are the launch's critical path.
     skip_dx_split: int = 4
+    # ... where at most this percentage of the plan's pairs is hot (decided on the device, no host sync).
+    skip_dx_deal_pct: float = 15.0
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

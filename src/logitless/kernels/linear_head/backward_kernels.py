@@ -245,12 +245,14 @@ def _dx_tile(
     MAP_N: tl.constexpr, MAP_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    ks, part_ptr, KSPLIT: tl.constexpr,
+    ks, kfirst, kstep, part_ptr, KSPLIT: tl.constexpr,
 ):
-    # With KSPLIT > 1 the tile's reduction steps are dealt out to KSPLIT programs (step k to program k % KSPLIT):
-    # program ks = 0 adds its share to dx (ACCUMULATE) as the only program does; a program ks > 0 that has steps
-    # adds its share to the float32 partial part_ptr[ks - 1] (contiguous (KSPLIT - 1, N, D), zeros at first), which
-    # the launcher adds to dx once, after the last chunk, in split order. One without steps touches nothing.
+    # With KSPLIT > 1 the tile's reduction steps may be dealt out to KSPLIT programs: program ks takes steps kfirst,
+    # kfirst + kstep, ... (dealt: kfirst = ks, kstep = KSPLIT; not dealt: program 0 takes all, kfirst = 0, kstep = 1,
+    # and the others none, kfirst past the end). Program 0 adds its share to dx (ACCUMULATE) as the only program
+    # does; a program ks > 0 that has steps adds its share to the float32 partial part_ptr[ks - 1] (contiguous
+    # (KSPLIT - 1, N, D), zeros at first), which the launcher adds to dx once, after the last chunk, in split order.
+    # One without steps touches nothing.
     pid_m, pid_d = grouped(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), GROUP)
     row0 = pid_m.to(tl.int64) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -279,13 +281,13 @@ def _dx_tile(
     elif ks == 0:
         if ACCUMULATE:
             acc = tl.load(out, mask=ok, other=0.0)
-    elif ks < n_steps:
+    elif kfirst < n_steps:
         acc = tl.load(part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :]), mask=ok,
                       other=0.0)
     if SKIP:
         if s_hi - s_lo != tile1 - tile0:
             # (MAP_V // BLOCK_K reduction steps per tile)
-            for s in range(s_lo * (MAP_V // BLOCK_K) + ks, s_hi * (MAP_V // BLOCK_K), KSPLIT):
+            for s in range(s_lo * (MAP_V // BLOCK_K) + kfirst, s_hi * (MAP_V // BLOCK_K), kstep):
                 t = tl.load(list_ptr + blk * n_vtiles + s // (MAP_V // BLOCK_K))
                 k0 = (t - tile0).to(tl.int64) * MAP_V + (s % (MAP_V // BLOCK_K)) * BLOCK_K  # chunk columns
                 if USE_TMA:
@@ -308,16 +310,17 @@ def _dx_tile(
             # past N, the chunk or D are zeros.
             r0 = row0.to(tl.int32)
             d0 = (pid_d * BLOCK_D).to(tl.int32)
-            for k in range(ks, tl.cdiv(n_vrows, BLOCK_K), KSPLIT):
+            for k in range(kfirst, tl.cdiv(n_vrows, BLOCK_K), kstep):
                 a = dz_desc.load([r0, k * BLOCK_K])
                 b = w_desc.load([k * BLOCK_K, d0])
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
     else:
         if dense:
-            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :]) + ks * BLOCK_K  # dz [BLOCK_M, BLOCK_K]
+            k_start = tl.minimum(kfirst, tl.cdiv(n_vrows, BLOCK_K)).to(tl.int64)
+            a_ptrs = dz_ptr + (m_in[:, None] * stride_dz + offs_k[None, :]) + k_start * BLOCK_K  # dz [BLOCK_M, BLOCK_K]
             # W[chunk] [BLOCK_K, BLOCK_D]
-            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd) + ks * BLOCK_K * stride_wv
-            for k in range(ks, tl.cdiv(n_vrows, BLOCK_K), KSPLIT):
+            b_ptrs = w_ptr + (offs_k[:, None] * stride_wv + offs_d[None, :] * stride_wd) + k_start * BLOCK_K * stride_wv
+            for k in range(kfirst, tl.cdiv(n_vrows, BLOCK_K), kstep):
                 if HAS_PERM:
                     # W rows of the chunk's classes, gathered (perm_ptr points at the chunk's first position).
                     kk = k * BLOCK_K + offs_k
@@ -334,13 +337,13 @@ def _dx_tile(
                     a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = mma(a, b, acc, DOT_PRECISION, UPCAST)
-                a_ptrs += KSPLIT * BLOCK_K
-                b_ptrs += KSPLIT * BLOCK_K * stride_wv
+                a_ptrs += kstep * BLOCK_K
+                b_ptrs += kstep * BLOCK_K * stride_wv
     if KSPLIT == 1:
         tl.store(out, acc, mask=ok)
     elif ks == 0:
         tl.store(out, acc, mask=ok)
-    elif ks < n_steps:
+    elif kfirst < n_steps:
         tl.store(part_ptr + ((ks - 1) * N + row0) * D + (offs_m[:, None] * D + offs_d[None, :]), acc, mask=ok)
 
 
@@ -349,6 +352,7 @@ def _dgrad_kernel(
     # pointers (dz_ptr, and dw_ptr unless SCATTER, at the chunk's first column / output row; w_ptr at the chunk's
     # first row, or at W itself with a perm; perm_ptr at the chunk's first position)
     dz_ptr, x_ptr, w_ptr, dw_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, list_v_ptr, pre_v_ptr, dx_part_ptr,
+    dx_deal_ptr,
     # tensor descriptors (USE_TMA): dz by [BLOCK_K, BLOCK_M] and [BLOCK_M, BLOCK_K], x and W[chunk] by
     # [BLOCK_K, BLOCK_D]
     dzt_desc, dz_desc, x_desc, w_desc,
@@ -372,13 +376,21 @@ def _dgrad_kernel(
     pid = tl.program_id(0)
     if DO_DW and DO_DX and DX_FIRST:
         # (DX_SPLIT programs per dx tile, the tile's splits next to each other)
+        # (dx_deal_ptr: whether the tiles' steps are dealt out, decided on the device from the plan)
         n_dx = tl.num_programs(0) - n_dw_tiles
         if pid < n_dx:
+            ks = pid % DX_SPLIT
+            kfirst = ks
+            kstep = DX_SPLIT
+            if DX_SPLIT > 1:
+                if tl.load(dx_deal_ptr) == 0:
+                    kfirst = tl.where(ks == 0, 0, 1 << 30)
+                    kstep = 1
             _dx_tile((n_dx - 1 - pid) // DX_SPLIT, dz_ptr, w_ptr, dx_ptr, perm_ptr, list_n_ptr, pre_n_ptr, dz_desc,
                      w_desc, N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
                      SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
-                     pid % DX_SPLIT, dx_part_ptr, DX_SPLIT)
+                     ks, kfirst, kstep, dx_part_ptr, DX_SPLIT)
         else:
             _dw_tile(pid - n_dx, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                      N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
@@ -397,7 +409,7 @@ def _dgrad_kernel(
                      N, D, n_vrows, n_vtiles, tile0, tile1,
                      stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
                      SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
-                     0, dx_part_ptr, 1)
+                     0, 0, 1, dx_part_ptr, 1)
     elif DO_DW:
         _dw_tile(pid, dz_ptr, x_ptr, dw_ptr, perm_ptr, list_v_ptr, pre_v_ptr, dzt_desc, x_desc,
                  N, D, n_vrows, k_per_split, n_dw_out_tiles, n_blocks, tile0,
@@ -409,7 +421,7 @@ def _dgrad_kernel(
                  N, D, n_vrows, n_vtiles, tile0, tile1,
                  stride_dz, stride_wv, stride_wd, stride_dxn, stride_dxd, DX_ACCUMULATE, DX_EVEN_K, HAS_PERM,
                  SKIP, MAP_N, MAP_V, BLOCK_M, DX_BLOCK_D, BLOCK_K, GROUP, DOT_PRECISION, UPCAST, USE_TMA,
-                 0, dx_part_ptr, 1)
+                 0, 0, 1, dx_part_ptr, 1)
 
 
 @triton.jit
