@@ -32,17 +32,20 @@ from .loss_math import (
 _BLOCK_SHARE = 2
 # Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
 _MIN_COLS = 1024
+# The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
+# (three per chunk), and the generic path, which reads it twice in all, is taken instead.
+_MIN_FUSED_ROWS = 32
 # cross_entropy on given logits and the two-head losses walk chunks of this many classes...
 VOCAB_CHUNK = 4096
 # ... and of token_chunk(V) rows: blocks of at most this many elements.
 CHUNK_ELEMS = 1 << 20
 
 
-def _block(n: int, V: int, temporaries: bool = False) -> tuple[int, int]:
-    """(token rows, vocabulary columns) of one float32 block of this path: half of the policy's budget (a third
-    with `temporaries` of the block's size), all n tokens at once while that leaves at least _MIN_COLS classes (the
+def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one float32 block of this path: 1 / `share` of the policy's budget (of
+    share + 1 with `temporaries` of the block's size; by default half, or a third), all n tokens at once while that leaves at least _MIN_COLS classes (the
     backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
-    elems = max(1, default_workspace_bytes(n, V) // (4 * (_BLOCK_SHARE + bool(temporaries))))
+    elems = max(1, default_workspace_bytes(n, V) // (4 * (share + bool(temporaries))))
     cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
     return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
@@ -177,9 +180,19 @@ class _RowStats:
         return torch.log(self.s) - self.mu()
 
 
-def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy):
-    """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (_block: all
-    tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent, mu, rest), sw
+def _stats_block(n: int, V: int, temporaries: bool) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of the forward's blocks on a linear head whose weight is already in the
+    accumulation dtype: _block's shape with the whole budget for the block (and a temporary of its size for the
+    smoothing and the entropy, _RowStats.update), since the forward holds nothing else of that size. Half as many
+    blocks, hence calls, as the backward's: on a loaded 2-core machine each call waits for both threads (at
+    (512, 128, 32000), 2 threads: 290 ms against 480; 1 thread: 80 against 76). Full-vocabulary rows, the same
+    number of blocks, were slower (340 ms, and 87 with 1 thread): each block's product packs all of W."""
+    return _block(n, V, temporaries, share=1)
+
+
+def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
+    """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (`block`
+    (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent, mu, rest), sw
     relative to ref (the first block's row max), mu and rest (_RowStats) with the entropy (rest: and a target)."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
@@ -190,7 +203,7 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     ent = torch.zeros(n, **f) if want_entropy else None
     mu = torch.zeros(n, **f) if want_entropy else None
     rest = torch.zeros(n, **f) if want_entropy and target is not None else None
-    rows, cols = _block(n, V, want_smooth or want_entropy)
+    rows, cols = block or _block(n, V, want_smooth or want_entropy)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
         st = _RowStats(i1 - i0, device, dtype, t_c, want_smooth, want_entropy)
@@ -225,8 +238,11 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
                 zeros(want_entropy), zeros(want_entropy and target is not None))
     chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
                                                 inv_temp)
+    temporaries = want_smooth or want_entropy
+    # (A weight of another dtype is converted block by block: a copy of the block's W rows next to it.)
+    block = _stats_block(n, V, temporaries) if w.dtype == acc else _block(n, V, temporaries)
     m, logs, zt, sw, ref, ent, mu, rest = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth,
-                                                     want_entropy)
+                                                     want_entropy, block)
     if sw is not None:
         # Accumulated relative to the first block's row max (no cancellation while the max grows): re-based on m.
         w_sum = class_w.sum() if class_w is not None else float(V)
@@ -464,11 +480,6 @@ class _CrossEntropy(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The fused training path of linear_cross_entropy
-
-# Fewer rows than this per chunk and the fused path's products turn into reads of W (each chunk reads it three
-# times): the generic path, which reads it twice in all, is taken instead.
-_MIN_FUSED_ROWS = 32
-
 
 def fused_rows(x, w, b, softcap, reduction) -> int:
     """Rows per chunk of the fused path of linear_cross_entropy (fused_linear_cross_entropy), or 0 where it does
