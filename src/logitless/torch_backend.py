@@ -603,12 +603,13 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
         z.sub_(m_c[:, None])  # z - m, exact
         if sw is not None:
             sw[sl] = z.sum(dim=1) if class_w is None else z @ class_w
-        s_c = z.exp_().sum(dim=1)
-        logs[sl] = torch.log(s_c)
+        logs_c = torch.log(z.exp_().sum(dim=1))
+        logs[sl] = logs_c
         a_c = A[sl]
         if z_loss > 0.0:
-            a_c = a_c + r[sl] * (2.0 * z_loss) * (m_c + logs[sl])
-        z.mul_((a_c / s_c)[:, None])  # p A = exp(z - m) (A / S)
+            a_c = a_c + r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+        # p A = exp(z - m) (A / S) with 1 / S as exp(-logs), as in head_backward: the same rounding of dL/dz
+        z.mul_((a_c * torch.exp(-logs_c))[:, None])
         if E is not None:
             if class_w is not None:
                 z.addcmul_(E[sl, None], class_w[None, :], value=-1.0)
