@@ -41,11 +41,12 @@ VOCAB_CHUNK = 4096
 CHUNK_ELEMS = 1 << 20
 
 
-def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE) -> tuple[int, int]:
-    """(token rows, vocabulary columns) of one float32 block of this path: 1 / `share` of the policy's budget (of
-    share + 1 with `temporaries` of the block's size; by default half, or a third), all n tokens at once while that leaves at least _MIN_COLS classes (the
+def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE, item: int = 4) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one block of this path (`item` bytes an element: float32, or float64):
+    1 / `share` of the policy's budget (of share + 1 with `temporaries` of the block's size; by default half, or a
+    third), all n tokens at once while that leaves at least _MIN_COLS classes (the
     backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
-    elems = max(1, default_workspace_bytes(n, V) // (4 * (share + bool(temporaries))))
+    elems = max(1, default_workspace_bytes(n, V) // (item * (share + bool(temporaries))))
     cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
     return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
@@ -180,20 +181,21 @@ class _RowStats:
         return torch.log(self.s) - self.mu()
 
 
-def _stats_block(n: int, V: int, temporaries: bool) -> tuple[int, int]:
+def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int]:
     """(token rows, vocabulary columns) of the forward's blocks on a linear head whose weight is already in the
     accumulation dtype: _block's shape with the whole budget for the block (and a temporary of its size for the
     smoothing and the entropy, _RowStats.update), since the forward holds nothing else of that size. Half as many
     blocks, hence calls, as the backward's: on a loaded 2-core machine each call waits for both threads (at
     (512, 128, 32000), 2 threads: 290 ms against 480; 1 thread: 80 against 76). Full-vocabulary rows, the same
     number of blocks, were slower (340 ms, and 87 with 1 thread): each block's product packs all of W."""
-    return _block(n, V, temporaries, share=1)
+    return _block(n, V, temporaries, share=1, item=item)
 
 
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
     """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (`block`
-    (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent, mu, rest), sw
-    relative to ref (the first block's row max), mu and rest (_RowStats) with the entropy (rest: and a target)."""
+    (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m,
+    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu and rest (_RowStats) with
+    the entropy (rest: and a target)."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -203,7 +205,7 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     ent = torch.zeros(n, **f) if want_entropy else None
     mu = torch.zeros(n, **f) if want_entropy else None
     rest = torch.zeros(n, **f) if want_entropy and target is not None else None
-    rows, cols = block or _block(n, V, want_smooth or want_entropy)
+    rows, cols = block or _block(n, V, want_smooth or want_entropy, item=dtype.itemsize)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
         st = _RowStats(i1 - i0, device, dtype, t_c, want_smooth, want_entropy)
@@ -240,7 +242,8 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
                                                 inv_temp)
     temporaries = want_smooth or want_entropy
     # (A weight of another dtype is converted block by block: a copy of the block's W rows next to it.)
-    block = _stats_block(n, V, temporaries) if w.dtype == acc else _block(n, V, temporaries)
+    block = (_stats_block(n, V, temporaries, acc.itemsize) if w.dtype == acc
+             else _block(n, V, temporaries, item=acc.itemsize))
     m, logs, zt, sw, ref, ent, mu, rest = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth,
                                                      want_entropy, block)
     if sw is not None:
@@ -326,7 +329,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         if db is not None:
             db.zero_()
         return (dx.to(x.dtype) if need_x else None), dw, db
-    rows, cols = _block(n, V, B is not None or softcap is not None)
+    rows, cols = _block(n, V, B is not None or softcap is not None, item=acc.itemsize)
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
     buf = torch.empty(rows * cols, device=x.device, dtype=acc)
     x_all = x.to(acc) if one_block else None
@@ -496,7 +499,7 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     if reduction == "none" or n == 0 or V < 2 or not torch.is_grad_enabled() or not any(needs) or _is_compiling():
         return 0
     acc = acc_dtype(x.dtype)
-    item = torch.empty((), dtype=acc).element_size()
+    item = acc.itemsize
     fixed = 0
     if w.dtype != acc:  # W in the accumulation dtype, and the weight gradient's accumulator
         fixed += item * V * D * (1 + needs[1])
