@@ -22,8 +22,8 @@ def _fused(loss) -> bool:
 
 @pytest.fixture
 def small_budget(monkeypatch):
-    """A policy floor of 128 KiB: the fused path's chunks hold 109 rows at V = 300 (54 with the softcap), several at
-    N = 160."""
+    """A policy floor of 128 KiB: the fused path's chunks hold 81 rows at V = 300 (40 with the softcap; a quarter of
+    the budget is left to the products), several at N = 160."""
     monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 128 << 10)
 
 
@@ -75,7 +75,7 @@ def test_fused_path_other_dtypes(dtype):
 
 
 def test_half_precision_head_too_large_for_the_budget_keeps_the_generic_path(small_budget):
-    # bf16: W and its gradient in float32 (2 x 4 V D = 108 KB here) leave 19 rows of 128 KiB
+    # bf16: W and its gradient in float32 (2 x 4 V D = 108 KB here) do not fit 128 KiB
     x, w, b, t = make_case(torch.bfloat16, n=160)
     xo, wo = leaves(x, w)
     assert not _fused(lce(xo, wo, t))

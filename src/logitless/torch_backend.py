@@ -32,6 +32,10 @@ from .loss_math import (
 _BLOCK_SHARE = 2
 # Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
 _MIN_COLS = 1024
+# Part of the budget the fused training path leaves to the products' own buffers: MKL's sgemm takes 6-10 MiB of
+# packing space for a product against all of W (measured as peak RSS, at V = 32000 and D = 128 to 1024), beside the
+# block (at most a quarter of the budget).
+_PRODUCTS_RESERVE = 8 << 20
 # The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
 # (three per chunk), and the generic path, which reads it twice in all, is taken instead.
 _MIN_FUSED_ROWS = 32
@@ -490,7 +494,7 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     grad; not while torch.compile traces, which keeps the generic path), and the policy's budget
     (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
     when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
-    the gradients until the backward)."""
+    the gradients until the backward) and the products' own buffers (_PRODUCTS_RESERVE)."""
     from ._validate import _is_compiling
 
     n, D = x.shape
@@ -506,7 +510,8 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     per_row = item * V * (1 + (softcap is not None))  # the block, and the softcap's chain factor
     if x.dtype != acc:  # the chunk of x in the accumulation dtype, and the input gradient's accumulator
         per_row += item * D * (1 + needs[0])
-    rows = (default_workspace_bytes(n, V) - fixed) // per_row
+    budget = default_workspace_bytes(n, V)
+    rows = (budget - min(budget // 4, _PRODUCTS_RESERVE) - fixed) // per_row
     return min(n, rows) if rows >= min(n, _MIN_FUSED_ROWS) else 0
 
 
