@@ -32,9 +32,9 @@ from .loss_math import (
 _BLOCK_SHARE = 2
 # Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
 _MIN_COLS = 1024
-# Part of the budget the fused training path leaves to the products' own buffers: MKL's sgemm takes 6-10 MiB of
-# packing space for a product against all of W (measured as peak RSS, at V = 32000 and D = 128 to 1024), beside the
-# block (at most a quarter of the budget).
+# Part of the budget that the blocks of the fused training path and of the forward leave to the products' own
+# buffers (at most a quarter of the budget): MKL's sgemm takes 6-10 MiB of packing space for a product against all of
+# W (measured as peak RSS, at V = 32000 and D = 128 to 1024).
 _PRODUCTS_RESERVE = 8 << 20
 # The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
 # (three per chunk), and the generic path, which reads it twice in all, is taken instead.
@@ -45,12 +45,14 @@ VOCAB_CHUNK = 4096
 CHUNK_ELEMS = 1 << 20
 
 
-def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE, item: int = 4) -> tuple[int, int]:
+def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE, item: int = 4,
+           budget: int | None = None) -> tuple[int, int]:
     """(token rows, vocabulary columns) of one block of this path (`item` bytes an element: float32, or float64):
-    1 / `share` of the policy's budget (of share + 1 with `temporaries` of the block's size; by default half, or a
-    third), all n tokens at once while that leaves at least _MIN_COLS classes (the
+    1 / `share` of `budget` (by default the policy's) (of share + 1 with `temporaries` of the block's size; by
+    default half, or a third), all n tokens at once while that leaves at least _MIN_COLS classes (the
     backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
-    elems = max(1, default_workspace_bytes(n, V) // (item * (share + bool(temporaries))))
+    budget = default_workspace_bytes(n, V) if budget is None else budget
+    elems = max(1, budget // (item * (share + bool(temporaries))))
     cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
     return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
@@ -185,14 +187,22 @@ class _RowStats:
         return torch.log(self.s) - self.mu()
 
 
+def _budget_beside_products(n: int, V: int) -> int:
+    """The policy's budget less the products' own buffers (_PRODUCTS_RESERVE): what the blocks of the fused
+    training path and of the forward may take."""
+    budget = default_workspace_bytes(n, V)
+    return budget - min(budget // 4, _PRODUCTS_RESERVE)
+
+
 def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int]:
     """(token rows, vocabulary columns) of the forward's blocks on a linear head whose weight is already in the
-    accumulation dtype: _block's shape with the whole budget for the block (and a temporary of its size for the
-    smoothing and the entropy, _RowStats.update), since the forward holds nothing else of that size. Half as many
-    blocks, hence calls, as the backward's: on a loaded 2-core machine each call waits for both threads (at
-    (512, 128, 32000), 2 threads: 290 ms against 480; 1 thread: 80 against 76). Full-vocabulary rows, the same
-    number of blocks, were slower (340 ms, and 87 with 1 thread): each block's product packs all of W."""
-    return _block(n, V, temporaries, share=1, item=item)
+    accumulation dtype: _block's shape with the whole budget beside the products' buffers for the block (and a
+    temporary of its size for the smoothing and the entropy, _RowStats.update), since the forward holds nothing
+    else of that size. Fewer blocks, hence calls, than the backward's half budget: on a loaded 2-core machine each
+    call waits for both threads (at (512, 128, 32000), 2 threads, 4 blocks against 8: 290 ms against 480; 1 thread:
+    80 against 76). Full-vocabulary rows, as many blocks, were slower (340 ms, and 87 with 1 thread): each block's
+    product packs all of W."""
+    return _block(n, V, temporaries, share=1, item=item, budget=_budget_beside_products(n, V))
 
 
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
@@ -510,8 +520,7 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     per_row = item * V * (1 + (softcap is not None))  # the block, and the softcap's chain factor
     if x.dtype != acc:  # the chunk of x in the accumulation dtype, and the input gradient's accumulator
         per_row += item * D * (1 + needs[0])
-    budget = default_workspace_bytes(n, V)
-    rows = (budget - min(budget // 4, _PRODUCTS_RESERVE) - fixed) // per_row
+    rows = (_budget_beside_products(n, V) - fixed) // per_row
     return min(n, rows) if rows >= min(n, _MIN_FUSED_ROWS) else 0
 
 
