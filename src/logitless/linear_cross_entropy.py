@@ -4,7 +4,9 @@ The call, top to bottom: validation (_validate) -> the backend (head.choose_back
 PyTorch path) -> the head op's per-row statistics (head.stats: row max, log-sum-exp, target logit, smoothing sum)
 -> the cross-entropy written on them (loss_math, the same code on every path) -> the reduction. The backward is
 autograd's through that expression, down to the head op's one generic backward (loss_math describes the form of
-the gradient). With ``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
+the gradient). On the PyTorch path a reduced loss with a gradient wanted takes a fused path instead
+(torch_backend.fused_linear_cross_entropy: the gradients in the forward, the same loss_math terms). With
+``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ loss_math.default_workspace_bytes), with an online log-sum-exp in the forward (_
 recomputes each block's logits and turns them into dL/dz in place. All math is float32 whatever the input dtype
 (float64 for float64 inputs). The contract (the statistics, the coefficients) is loss_math's.
 
+linear_cross_entropy's training step with a reduced loss takes a fused path instead (fused_linear_cross_entropy):
+chunks of rows over the full vocabulary whose gradients are computed in the forward, three products instead of four.
+
 Also here: the PyTorch backend of cross_entropy on given logits (same statistics, its own backward), the closed
 forms of a one-class head, and the block helpers that the two-head losses (distill.py) share.
 """
