@@ -1,12 +1,14 @@
 """The PyTorch path (logitless.torch_backend, the CPU default) against eager PyTorch on this CPU, interleaved.
 
-    PYTHONPATH=src python tools/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2]
+    PYTHONPATH=src python tools/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2] [--generic]
         [--old OLD_REFERENCE.py]      # e.g. git show REV:src/logitless/reference.py > old_reference.py
 
 float32, lm-like data (logitless.bench.data), mean loss. Per round, in an order that alternates between rounds:
 fwd+bwd and no-grad forward of linear_cross_entropy(backend="torch"), of eager PyTorch (x @ W.T, then
-F.cross_entropy), and of --old's twin when given. Prints the median and the minimum of each, and their ratios to
-eager: on a shared machine the other processes' load moves every number, so only ratios within one run mean much.
+F.cross_entropy), of --old's twin when given, and with --generic of the path without its fused training path and
+with the backward's block size in the forward (float32 torch_backend.py as it was before both). Prints the median
+and the minimum of each, and their ratios to eager: on a shared machine the other processes' load moves every
+number, so only ratios within one run mean much.
 Peak memory (once, after the timing): PyTorch's profiler's CPU allocator events (logitless.bench.measure, as
 `logitless bench` does), above the inputs and minus the gradients returned.
 """
@@ -32,6 +34,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--old", help="another version of src/logitless/reference.py to time too")
+    p.add_argument("--generic", action="store_true", help="also time the path without the fused training path")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,6 +51,8 @@ def main() -> None:
            "eager": lambda x, w: F.cross_entropy(x @ w.T, t)}
     if old is not None:
         fns["old"] = lambda x, w: old.linear_cross_entropy(x, w, t)
+    if args.generic:
+        fns["generic"] = lambda x, w: _generic(lambda: logitless.linear_cross_entropy(x, w, t, backend="torch"))
 
     def step(name, grad):
         if not grad:
@@ -76,6 +81,19 @@ def main() -> None:
             peak, _ = _cpu_peak(lambda k=k, g=g: step(k, g))
             print(f"  {'fwd+bwd' if g else 'no-grad':8s} {k:6s} median {med:8.1f} ms ({med / eager_med:.2f} x eager)"
                   f"  min {mn:8.1f} ms ({mn / eager_min:.2f} x)  peak {(peak - out_bytes) / 2**20:7.1f} MiB")
+
+
+def _generic(fn):
+    """fn() with the fused training path off and the forward's blocks of the backward's size."""
+    from logitless import torch_backend as tb
+
+    saved = tb.fused_rows, tb._stats_block
+    tb.fused_rows = lambda *a, **k: 0
+    tb._stats_block = lambda n, V, temporaries, item: tb._block(n, V, temporaries, item=item)
+    try:
+        return fn()
+    finally:
+        tb.fused_rows, tb._stats_block = saved
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ The call, top to bottom: validation (_validate) -> the backend (head.choose_back
 PyTorch path) -> the head op's per-row statistics (head.stats: row max, log-sum-exp, target logit, smoothing sum)
 -> the cross-entropy written on them (loss_math, the same code on every path) -> the reduction. The backward is
 autograd's through that expression, down to the head op's one generic backward (loss_math describes the form of
-the gradient). With ``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
+the gradient). On the PyTorch path a reduced loss with a gradient wanted takes a fused path instead
+(torch_backend.fused_linear_cross_entropy: the gradients in the forward, the same loss_math terms). With
+``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
 """
 
 from __future__ import annotations
@@ -128,6 +130,13 @@ def linear_cross_entropy(
         valid, w_t, _ = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
         return loss_math.reduce_loss(torch.where(valid, z * z * float(z_loss), 0.0), valid, w_t, reduction,
                                      args.lead_shape)
+    if chosen == "torch":
+        # Training with a reduced loss: the gradients in the forward, three products instead of four.
+        rows = torch_backend.fused_rows(args.x, args.weight, args.bias, softcap, reduction)
+        if rows:
+            return torch_backend.fused_linear_cross_entropy(args.x, args.weight, args.bias, args.target, class_w,
+                                                            reduction, ignore_index, label_smoothing, z_loss,
+                                                            softcap, rows)
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,

@@ -6,6 +6,9 @@ loss_math.default_workspace_bytes), with an online log-sum-exp in the forward (_
 recomputes each block's logits and turns them into dL/dz in place. All math is float32 whatever the input dtype
 (float64 for float64 inputs). The contract (the statistics, the coefficients) is loss_math's.
 
+linear_cross_entropy's training step with a reduced loss takes a fused path instead (fused_linear_cross_entropy):
+chunks of rows over the full vocabulary whose gradients are computed in the forward, three products instead of four.
+
 Also here: the PyTorch backend of cross_entropy on given logits (same statistics, its own backward), the closed
 forms of a one-class head, and the block helpers that the two-head losses (distill.py) share.
 """
@@ -32,17 +35,27 @@ from .loss_math import (
 _BLOCK_SHARE = 2
 # Vocabulary chunks narrower than this make the products inefficient: below it the tokens are chunked instead.
 _MIN_COLS = 1024
+# Part of the budget that the blocks of the fused training path and of the forward leave to the products' own
+# buffers (at most a quarter of the budget): MKL's sgemm takes 6-10 MiB of packing space for a product against all of
+# W (measured as peak RSS, at V = 32000 and D = 128 to 1024).
+_PRODUCTS_RESERVE = 8 << 20
+# The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
+# (three per chunk), and the generic path, which reads it twice in all, is taken instead.
+_MIN_FUSED_ROWS = 32
 # cross_entropy on given logits and the two-head losses walk chunks of this many classes...
 VOCAB_CHUNK = 4096
 # ... and of token_chunk(V) rows: blocks of at most this many elements.
 CHUNK_ELEMS = 1 << 20
 
 
-def _block(n: int, V: int, temporaries: bool = False) -> tuple[int, int]:
-    """(token rows, vocabulary columns) of one float32 block of this path: half of the policy's budget (a third
-    with `temporaries` of the block's size), all n tokens at once while that leaves at least _MIN_COLS classes (the
+def _block(n: int, V: int, temporaries: bool = False, share: int = _BLOCK_SHARE, item: int = 4,
+           budget: int | None = None) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of one block of this path (`item` bytes an element: float32, or float64):
+    1 / `share` of `budget` (by default the policy's) (of share + 1 with `temporaries` of the block's size; by
+    default half, or a third), all n tokens at once while that leaves at least _MIN_COLS classes (the
     backward then writes each dW chunk once, and reads x once), else chunks of tokens."""
-    elems = max(1, default_workspace_bytes(n, V) // (4 * (_BLOCK_SHARE + bool(temporaries))))
+    budget = default_workspace_bytes(n, V) if budget is None else budget
+    elems = max(1, budget // (item * (share + bool(temporaries))))
     cols = min(V, max(_MIN_COLS, elems // max(n, 1)))
     return max(1, min(n, elems // max(cols, 1))), max(1, cols)
 
@@ -177,10 +190,29 @@ class _RowStats:
         return torch.log(self.s) - self.mu()
 
 
-def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy):
-    """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (_block: all
-    tokens at once where the budget allows). Returns per-row tensors (m, logs, zt, sw, ref, ent, mu, rest), sw
-    relative to ref (the first block's row max), mu and rest (_RowStats) with the entropy (rest: and a target)."""
+def _budget_beside_products(n: int, V: int) -> int:
+    """The policy's budget less the products' own buffers (_PRODUCTS_RESERVE): what the blocks of the fused
+    training path and of the forward may take."""
+    budget = default_workspace_bytes(n, V)
+    return budget - min(budget // 4, _PRODUCTS_RESERVE)
+
+
+def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of the forward's blocks on a linear head whose weight is already in the
+    accumulation dtype: _block's shape with the whole budget beside the products' buffers for the block (and a
+    temporary of its size for the smoothing and the entropy, _RowStats.update), since the forward holds nothing
+    else of that size. Fewer blocks, hence calls, than the backward's half budget: on a loaded 2-core machine each
+    call waits for both threads (at (512, 128, 32000), 2 threads, 4 blocks against 8: 290 ms against 480; 1 thread:
+    80 against 76). Full-vocabulary rows, as many blocks, were slower (340 ms, and 87 with 1 thread): each block's
+    product packs all of W."""
+    return _block(n, V, temporaries, share=1, item=item, budget=_budget_beside_products(n, V))
+
+
+def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
+    """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (`block`
+    (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m,
+    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu and rest (_RowStats) with
+    the entropy (rest: and a target)."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -190,7 +222,7 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     ent = torch.zeros(n, **f) if want_entropy else None
     mu = torch.zeros(n, **f) if want_entropy else None
     rest = torch.zeros(n, **f) if want_entropy and target is not None else None
-    rows, cols = _block(n, V, want_smooth or want_entropy)
+    rows, cols = block or _block(n, V, want_smooth or want_entropy, item=dtype.itemsize)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
         st = _RowStats(i1 - i0, device, dtype, t_c, want_smooth, want_entropy)
@@ -225,8 +257,12 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
                 zeros(want_entropy), zeros(want_entropy and target is not None))
     chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
                                                 inv_temp)
+    temporaries = want_smooth or want_entropy
+    # (A weight of another dtype is converted block by block: a copy of the block's W rows next to it.)
+    block = (_stats_block(n, V, temporaries, acc.itemsize) if w.dtype == acc
+             else _block(n, V, temporaries, item=acc.itemsize))
     m, logs, zt, sw, ref, ent, mu, rest = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth,
-                                                     want_entropy)
+                                                     want_entropy, block)
     if sw is not None:
         # Accumulated relative to the first block's row max (no cancellation while the max grows): re-based on m.
         w_sum = class_w.sum() if class_w is not None else float(V)
@@ -310,7 +346,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         if db is not None:
             db.zero_()
         return (dx.to(x.dtype) if need_x else None), dw, db
-    rows, cols = _block(n, V, B is not None or softcap is not None)
+    rows, cols = _block(n, V, B is not None or softcap is not None, item=acc.itemsize)
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
     buf = torch.empty(rows * cols, device=x.device, dtype=acc)
     x_all = x.to(acc) if one_block else None
@@ -460,6 +496,161 @@ class _CrossEntropy(torch.autograd.Function):
                                       target[sl], v0, v1, None if class_w is None else class_w[v0:v1])
                 grad[sl, v0:v1] = chain_transform(dz, raw, softcap, 1.0)
         return grad, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused training path of linear_cross_entropy
+
+def fused_rows(x, w, b, softcap, reduction) -> int:
+    """Rows per chunk of the fused path of linear_cross_entropy (fused_linear_cross_entropy), or 0 where it does
+    not apply: it needs a reduced loss ("mean" / "sum"), a gradient wanted now (grad mode, an input that requires
+    grad; not while torch.compile traces, which keeps the generic path), and the policy's budget
+    (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
+    when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
+    the gradients until the backward) and the products' own buffers (_PRODUCTS_RESERVE)."""
+    from ._validate import _is_compiling
+
+    n, D = x.shape
+    V = w.shape[0]
+    needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+    if reduction == "none" or n == 0 or V < 2 or not torch.is_grad_enabled() or not any(needs) or _is_compiling():
+        return 0
+    acc = acc_dtype(x.dtype)
+    item = acc.itemsize
+    fixed = 0
+    if w.dtype != acc:  # W in the accumulation dtype, and the weight gradient's accumulator
+        fixed += item * V * D * (1 + needs[1])
+    per_row = item * V * (1 + (softcap is not None))  # the block, and the softcap's chain factor
+    if x.dtype != acc:  # the chunk of x in the accumulation dtype, and the input gradient's accumulator
+        per_row += item * D * (1 + needs[0])
+    rows = (_budget_beside_products(n, V) - fixed) // per_row
+    return min(n, rows) if rows >= min(n, _MIN_FUSED_ROWS) else 0
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """(x, W, b) -> the reduced cross-entropy, with the gradients computed in the forward (_fused_forward); the
+    backward scales them by the upstream gradient, in place, and hands them out once."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows):
+        needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+        loss, grads = _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows,
+                                     needs)
+        # Saved only for first_order_only: with create_graph=True they tie the gradients to a node that refuses a
+        # second differentiation. The backward itself does not read them.
+        ctx.save_for_backward(x, w, b)
+        ctx.grads = grads
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        return loss
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "logitless.linear_cross_entropy: this loss's gradients were computed in its forward and handed out "
+                "by an earlier backward (the PyTorch path's fused training path scales them in place); a second "
+                "backward through the same loss is not supported. Call linear_cross_entropy again for another "
+                "backward.")
+        ctx.grads = None  # no reference left here: autograd can take the tensors over as .grad without a copy
+        out = tuple(None if t is None else t.mul_(g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
+        del grads
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def fused_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                               rows):
+    """linear_cross_entropy's reduced loss on validated (N, D) / (V, D) inputs through the fused path (fused_rows
+    gives `rows`); autocast is off inside, as in stats()."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _FusedCrossEntropy.apply(x, w, b, target, class_w, reduction, ignore_index, float(label_smoothing),
+                                        float(z_loss), None if softcap is None else float(softcap), rows)
+
+
+def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows, needs):
+    """(loss, (dx, dW, db)) of the reduced cross-entropy, the gradients for an upstream gradient of 1 (None where
+    not needed) in the accumulation dtype. Rows outer, over the full vocabulary: each chunk's logits are computed
+    once into one buffer, give the rows' statistics (m, logs, zt, sw: loss_math's contract), become dL/dz there in
+    place, and go into the products dx_c = dz W and dW += dz^T x_c: three products in all, against the generic
+    path's four (its backward recomputes the logits). dL/dz_j = p_j A - C [j == t] - E w_j with, for a valid row of
+    reduction factor r (1, or 1 / the summed target weights): A = r ((1 - eps) w_t + eps W / V + 2 z_loss lse),
+    C = r (1 - eps) w_t, E = r eps / V (loss_math.head_coefficients for this loss); 0 for an ignored row."""
+    n, D = x.shape
+    V = w.shape[0]
+    acc = acc_dtype(x.dtype)
+    need_x, need_w, need_b = needs
+    f = dict(device=x.device, dtype=acc)
+    wa = w if w.dtype == acc else w.to(acc)
+    ba = None if b is None else b.to(acc)
+    valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, eps, V, acc)
+    # The reduction's factor per row, 0 where ignored (where(): 1 / 0 when every row is ignored must not reach them).
+    r = valid.to(acc) if reduction == "sum" else torch.where(valid, 1.0 / w_t.sum(), 0.0)
+    C = (r * w_t) * (1.0 - eps) if eps < 1.0 else None
+    A = C if eps == 0.0 else (r * ((eps / V) * w_sum) if C is None else C + r * ((eps / V) * w_sum))
+    E = r * (eps / V) if eps > 0.0 else None
+    inside = (target >= 0) & (target < V)
+    idx = torch.where(inside, target, 0)
+    if C is not None:
+        C_neg = torch.where(inside, -C, 0.0)[:, None]
+    m = torch.empty(n, **f)
+    logs = torch.empty(n, **f)
+    zt = torch.empty(n, **f)
+    sw = torch.empty(n, **f) if eps > 0.0 else None
+    dx = torch.empty(n, D, **f) if need_x else None
+    dw = torch.empty(V, D, **f) if need_w else None
+    db = torch.zeros(V, **f) if need_b else None
+    buf = torch.empty(rows * V, **f)
+    slope_buf = torch.empty(rows * V, **f) if softcap is not None else None
+    for i0, i1 in chunks(n, rows):
+        sl = slice(i0, i1)
+        x_c = x[sl] if x.dtype == acc else x[sl].to(acc)
+        z = buf[: (i1 - i0) * V].view(i1 - i0, V)
+        if ba is not None:
+            torch.addmm(ba, x_c, wa.T, out=z)
+        else:
+            torch.mm(x_c, wa.T, out=z)
+        slope = None
+        if softcap is not None:  # the chain factor from the raw logits (softcap_slope's form), then the cap
+            slope = slope_buf[: z.numel()].view_as(z)
+            torch.div(z, softcap, out=slope).abs_().mul_(-2.0).sigmoid_()
+            slope.addcmul_(slope, slope, value=-1.0).mul_(4.0)
+            apply_softcap(z, softcap, inplace=True)
+        m_c = z.amax(dim=1)
+        m[sl] = m_c
+        ix = idx[sl, None]
+        zt[sl] = torch.where(inside[sl], z.gather(1, ix)[:, 0], 0.0)
+        z.sub_(m_c[:, None])  # z - m, exact
+        if sw is not None:
+            sw[sl] = z.sum(dim=1) if class_w is None else z @ class_w
+        logs_c = torch.log(z.exp_().sum(dim=1))
+        logs[sl] = logs_c
+        a_c = A[sl]
+        if z_loss > 0.0:
+            a_c = a_c + r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+        # p A = exp(z - m) (A / S) with 1 / S as exp(-logs), as in head_backward: the same rounding of dL/dz
+        z.mul_((a_c * torch.exp(-logs_c))[:, None])
+        if E is not None:
+            if class_w is not None:
+                z.addcmul_(E[sl, None], class_w[None, :], value=-1.0)
+            else:
+                z.sub_(E[sl, None])
+        if C is not None:
+            z.scatter_add_(1, ix, C_neg[sl])
+        if slope is not None:
+            z.mul_(slope)
+        if need_x:
+            torch.mm(z, wa, out=dx[sl])
+        if need_w:
+            if i0 == 0:
+                torch.mm(z.T, x_c, out=dw)
+            else:
+                dw.addmm_(z.T, x_c)
+        if need_b:
+            db += z.sum(dim=0)
+    del buf, slope_buf
+    per_token = ce_loss_from_stats(m, logs, zt, sw, m, valid, w_t, w_sum, eps, z_loss, V)
+    return reduce_loss(per_token, valid, w_t, reduction, ()), (dx, dw, db)
 
 
 def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
