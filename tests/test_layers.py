@@ -18,7 +18,8 @@ import logitless
 # Lowest first. A module's layer is that of its top-level name (logitless.kernels.linear_head: "kernels"); a module
 # may import its own layer and those below.
 LAYERS = (
-    ("_validate", "_files", "_autograd", "_dispatch", "testing"),  # checks, files, autograd hygiene, oracles
+    ("_validate", "_files", "_autograd", "_dispatch", "testing", "vocab"),  # checks, files, autograd hygiene,
+    # oracles, a vocabulary's stored order
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
     ("triton_backend",),  # the kernels as torch.library ops

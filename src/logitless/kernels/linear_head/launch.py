@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...loss_math import default_workspace_bytes
 from .._common import INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
 from .._tuning import current_tuning
 from . import backward_kernels as bk
@@ -125,7 +124,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         # (Tuning.skip_dx_split), as many as leave the accumulator and the scratch their room. (With a vocabulary
         # order the budget stays the forward's: the order was made for the workspaces that budget gives.)
         held = tile_lse.numel() * tile_lse.element_size() + (x.numel() * x.element_size() if rows is not None else 0)
-        budget = default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
+        budget = plans.default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
         left = max(0, budget - held)
         acc = 4 * N * D
         if need_dx and need_dw and acc > 0:
