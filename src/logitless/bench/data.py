@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..vocab import VocabOrder
+
 KINDS = ("lm", "uniform", "real", "real-sorted", "lm-v1")
 REAL_KINDS = ("real", "real-sorted")
 
@@ -212,16 +214,6 @@ def real_source(V: int, data_file=None, cache_dir=None) -> dict:
     return _loaded[key]
 
 
-def mass_order(x: torch.Tensor, w: torch.Tensor, rows: int = 1024) -> torch.Tensor:
-    """Class ids by decreasing softmax mass summed over the rows of x (float32 logits x W^T, in row chunks): the
-    order in which a vocabulary stored by how much probability it takes puts its classes."""
-    mass = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
-    wf = w.float()
-    for i in range(0, x.shape[0], rows):
-        mass += torch.softmax(x[i:i + rows].float() @ wf.T, dim=1).sum(0)
-    return torch.argsort(mass, descending=True, stable=True)
-
-
 def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, data_file=None,
               cache_dir=None, sorted_vocab: bool = False) -> Head:
     """A pretrained model's head on real text (see real.py): the first N tokens, lifted to D; V must be the model's.
@@ -245,11 +237,9 @@ def real_head(N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", see
     if sorted_vocab:
         held_out = src["input"].shape[0] - N >= min(1024, N)
         held = src["input"][N:] if held_out else src["input"][:N]
-        order = mass_order(held.to(device), w)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=device)
-        w = w[order]
-        target = torch.where(target >= 0, inv[target.clamp_min(0)], target)
+        order = VocabOrder.by_mass(held.to(device), w)
+        w = order.sort(w)
+        target = order.map_ids(target)
         where = "held-out tokens" if held_out else "the batch itself (too few tokens left out)"
         desc += f"; vocabulary sorted by softmax mass over {where}"
     x, w = real.lift(x, w, D, seed=seed, dtype=dtype)
