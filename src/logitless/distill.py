@@ -113,8 +113,10 @@ def check_beta(beta) -> float:
 
 class RowStats(NamedTuple):
     """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a:
-    ea = E_a[z_a - m_a] (for the soft cross-entropy), da = E_a[z_a - z_b]; for the JSD, kt = KL(p_t || M) and
-    ks = KL(p_s || M) from the second pass (None otherwise)."""
+    ea = E_a[z_a - m_a] (for the soft cross-entropy), zr = z_b at a's argmax (the reference) and
+    da = E_a[(z_a - m_a) - (z_b - zr)]; for the JSD, kt = KL(p_t || M) and ks = KL(p_s || M) from the second pass
+    (None otherwise). Both of da's terms are 0 at a's argmax: where p_a is nearly one-hot, da is the small sum of
+    the other classes' terms instead of a difference of logit-sized numbers (docs/math.md)."""
 
     m_s: torch.Tensor
     logs_s: torch.Tensor
@@ -124,19 +126,21 @@ class RowStats(NamedTuple):
     da: torch.Tensor | None
     kt: torch.Tensor | None = None
     ks: torch.Tensor | None = None
+    zr: torch.Tensor | None = None
 
 
-def row_loss(kind: str, beta: float, st: RowStats) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(per-row loss, the row term R of the student's gradient or None). Differences of maxima and of log-sums are
-    taken apart: each is exact-ish, their sum is the small number (docs/math.md)."""
-    if kind == "fkl":  # sum p_t (z_t - z_s) - lse_t + lse_s
-        return st.da - (st.m_t - st.m_s) - (st.logs_t - st.logs_s), None
-    if kind == "rkl":  # sum p_s (z_s - z_t) - lse_s + lse_t
-        kl = st.da - (st.m_s - st.m_t) - (st.logs_s - st.logs_t)
-        return kl, kl
-    if kind == "ce":  # lse_s - E_t[z_s] = (m_s - m_t) + logs_s - E_t[z_t - m_t] + E_t[z_t - z_s]
-        return st.da - (st.m_t - st.m_s) + st.logs_s - st.ea, None
-    return beta * st.kt + (1.0 - beta) * st.ks, st.ks
+def row_loss(kind: str, beta: float, st: RowStats) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(per-row loss, the row term R of the student's gradient or None, the teacher's row reference of dz_student:
+    its maximum m_t, or for the reverse KL its logit at the student's argmax). The terms are each small where the
+    loss is (docs/math.md): no difference of logit-sized numbers is left to cancel."""
+    if kind == "fkl":  # E_t[z_t - z_s] - lse_t + lse_s, with E_t[z_t - z_s] = da + m_t - zr
+        return st.da + ((st.m_s - st.zr) + (st.logs_s - st.logs_t)), None, st.m_t
+    if kind == "rkl":  # E_s[z_s - z_t] - lse_s + lse_t
+        # dL/dz_s = p_s (l_s - l_t - KL) = p_s ((z_s - m_s) - (z_t - zr) - da): da is R, zr the teacher's reference.
+        return st.da + ((st.m_t - st.zr) + (st.logs_t - st.logs_s)), st.da, st.zr
+    if kind == "ce":  # lse_s - E_t[z_s] = (m_s - zr) + logs_s - E_t[z_t - m_t] + da
+        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), None, st.m_t
+    return beta * st.kt + (1.0 - beta) * st.ks, st.ks, st.m_t
 
 
 def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: str, lead_shape) -> torch.Tensor:
@@ -154,15 +158,16 @@ def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: st
 
 
 def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
-    """dL/dz_s of a block (float32 or float64), rows scaled by the upstream gradient g (0 at ignored rows)."""
+    """dL/dz_s of a block (float32 or float64), rows scaled by the upstream gradient g (0 at ignored rows); m_t is
+    row_loss's teacher reference."""
     ls = (zs - m_s[:, None]) - logs_s[:, None]
     ps = torch.exp(ls)
     if kind in ("fkl", "ce"):
         dz = ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None])
     else:
         lt = (zt - m_t[:, None]) - logs_t[:, None]
-        if kind == "rkl":
-            inner = ls - lt - R[:, None]
+        if kind == "rkl":  # m_t is the teacher's logit at the student's argmax and R = da (row_loss)
+            inner = (zs - m_s[:, None]) - (zt - m_t[:, None]) - R[:, None]
             scale = 1.0
         else:
             inner = ls - _log_mix(lt, ls, beta) - R[:, None]
@@ -194,26 +199,33 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
     n, V = a.xs.shape[0], a.ws.shape[0]
     acc = torch_backend.acc_dtype(a.xs.dtype)
     f = dict(device=a.xs.device, dtype=acc)
-    out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks")}
+    out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks", "zr")}
     w_student = weights_student(kind)
     cn = token_chunk(V)
     for i0, i1 in chunks(n, cn):
         c = i1 - i0
         m_s = torch.full((c,), -math.inf, **f)
         m_t = torch.full((c,), -math.inf, **f)
-        s_s, s_t, ent, dsum = (torch.zeros(c, **f) for _ in range(4))
+        s_s, s_t, ent, dsum, ref = (torch.zeros(c, **f) for _ in range(5))
         for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             za, zb = (zs, zt) if w_student else (zt, zs)
             m_a, s_a = (m_s, s_s) if w_student else (m_t, s_t)
-            new_a = torch.maximum(m_a, za.amax(1))
+            top, arg = za.max(1)
+            new_a = torch.maximum(m_a, top)
+            # The reference follows a's argmax (the first chunk's, then any chunk whose maximum is larger).
+            new_ref = torch.where(top > m_a, zb.gather(1, arg[:, None]).squeeze(1), ref)
             safe_a = torch.where(torch.isfinite(new_a), new_a, 0.0)
             alpha = torch.exp(m_a - safe_a)
             e = torch.exp(za - safe_a[:, None])
             shift = (m_a - safe_a).nan_to_num(0.0, posinf=0.0, neginf=0.0)
             ent = alpha * (ent + shift * s_a) + torch.where(e > 0, e * (za - safe_a[:, None]), 0.0).sum(1)
-            dsum = alpha * dsum + torch.where(e > 0, e * (za - zb), 0.0).sum(1)
+            # dsum's terms move with both references: + (m_a - m_a') - (ref - ref') each, for the old mass.
+            w = alpha * s_a
+            dsum = (alpha * dsum + torch.where(w > 0, w * (shift - (ref - new_ref)), 0.0)
+                    + torch.where(e > 0, e * ((za - safe_a[:, None]) - (zb - new_ref[:, None])), 0.0).sum(1))
+            ref = new_ref
             s_a = s_a * alpha + e.sum(1)
             # the other head: its max and sum only
             m_b, s_b = (m_t, s_t) if w_student else (m_s, s_s)
@@ -228,9 +240,9 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         s_a = s_s if w_student else s_t
         out["m_s"][sl], out["logs_s"][sl] = m_s, torch.log(s_s)
         out["m_t"][sl], out["logs_t"][sl] = m_t, torch.log(s_t)
-        out["ea"][sl], out["da"][sl] = ent / s_a, dsum / s_a
+        out["ea"][sl], out["da"][sl], out["zr"][sl] = ent / s_a, dsum / s_a, ref
     if kind != "jsd":
-        return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"])
+        return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"], zr=out["zr"])
     for i0, i1 in chunks(n, cn):
         sl = slice(i0, i1)
         kt = torch.zeros(i1 - i0, **f)
@@ -292,8 +304,8 @@ class _TwoHeadsTorch(torch.autograd.Function):
     def forward(ctx, xs, ws, bs, a, kind, beta, softcap, inv_temp):
         a = a._replace(xs=xs, ws=ws, bs=bs)
         st = torch_stats(a, kind, beta, softcap, inv_temp)
-        loss, R = row_loss(kind, beta, st)
-        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, *st[:4], R)
+        loss, R, t_ref = row_loss(kind, beta, st)
+        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, st.m_s, st.logs_s, t_ref, st.logs_t, R)
         ctx.opts = (kind, beta, softcap, inv_temp)
         return loss
 
@@ -331,8 +343,9 @@ def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_by
     bt = None if bt is None else bt.contiguous()
     st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
                                            inv_temp=inv_temp))
-    loss, R = row_loss(kind, beta, st)
-    return loss, *(t.clone() for t in st[:4]), torch.zeros_like(loss) if R is None else R.clone()
+    loss, R, t_ref = row_loss(kind, beta, st)
+    return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, st.logs_t)),
+            torch.zeros_like(loss) if R is None else R.clone())
 
 
 @_loss_op.register_fake

@@ -92,23 +92,67 @@ def naive_linear_logsumexp(input, linear_weight, *, linear_bias=None, softcap=No
     return torch.logsumexp(z / temperature, dim=-1)
 
 
+class _PairwiseDivergence(torch.autograd.Function):
+    """Per-row two-head divergence of logits (N, V) whose gradient is formed pairwise, for a float64 truth:
+    dL/dz_j = p_j sum_k p_k (f_j - f_k) instead of autograd's p_j f_j - p_j sum_k p_k f_k, whose two terms agree to
+    all of float64's digits at a saturated row (the true gradient there is the tiny sum of the other classes' terms,
+    and autograd returns 0 or rounding). O(N V^2): for test sizes."""
+
+    @staticmethod
+    def forward(ctx, zs, zt, kind, beta):
+        ls = torch.log_softmax(zs, dim=-1)
+        lt = torch.log_softmax(zt, dim=-1)
+        ps, pt = ls.exp(), lt.exp()
+        if kind == "fkl" or (kind == "jsd" and beta == 0.0):
+            per, f, scale = (pt * (lt - ls)).sum(-1), None, 1.0
+        elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
+            per, f, scale = (ps * (ls - lt)).sum(-1), ls - lt, 1.0
+        elif kind == "ce":
+            per, f, scale = -(pt * ls).sum(-1), None, 1.0
+        else:
+            lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+            per = beta * (pt * (lt - lm)).sum(-1) + (1.0 - beta) * (ps * (ls - lm)).sum(-1)
+            f, scale = ls - lm, 1.0 - beta
+        ctx.save_for_backward(ps, pt, f)
+        ctx.scale = scale
+        return per
+
+    @staticmethod
+    def backward(ctx, g):
+        ps, pt, f = ctx.saved_tensors
+        if f is None:  # forward KL, soft cross-entropy
+            dz = ps - pt
+        else:
+            diff = f[..., :, None] - f[..., None, :]  # f_j - f_k
+            terms = torch.where(ps[..., None, :] > 0, ps[..., None, :] * diff, 0.0)
+            dz = torch.where(ps > 0, ps * terms.sum(-1), 0.0) * ctx.scale
+        return dz * g[..., None], None, None, None
+
+
 def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
                     target=None, ignore_index=-100, temperature=1.0, reduction="mean", student_bias=None,
-                    teacher_bias=None, softcap=None, upcast=True):
-    """The losses of logitless.distill by `kind` ("fkl", "rkl", "ce", "jsd" with `beta`); the teacher is detached."""
+                    teacher_bias=None, softcap=None, upcast=True, pairwise_grad=False):
+    """The losses of logitless.distill by `kind` ("fkl", "rkl", "ce", "jsd" with `beta`); the teacher is detached.
+    pairwise_grad: the same value, with the logits' gradient formed pairwise (_PairwiseDivergence): the float64
+    truth of the tests, accurate also where every class but one is saturated."""
     zs = _upcast(F.linear(student_input, student_weight, student_bias), upcast)
     zt = _upcast(F.linear(teacher_input, teacher_weight, teacher_bias), upcast).detach()
-    ls = torch.log_softmax(_softcap(zs, softcap) / temperature, dim=-1)
-    lt = torch.log_softmax(_softcap(zt, softcap) / temperature, dim=-1)
-    if kind == "fkl" or (kind == "jsd" and beta == 0.0):
-        per = (lt.exp() * (lt - ls)).sum(-1)
-    elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
-        per = (ls.exp() * (ls - lt)).sum(-1)
-    elif kind == "ce":
-        per = -(lt.exp() * ls).sum(-1)
+    zs = _softcap(zs, softcap) / temperature
+    zt = _softcap(zt, softcap) / temperature
+    if pairwise_grad:
+        per = _PairwiseDivergence.apply(zs, zt, kind, beta)
     else:
-        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
-        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+        ls = torch.log_softmax(zs, dim=-1)
+        lt = torch.log_softmax(zt, dim=-1)
+        if kind == "fkl" or (kind == "jsd" and beta == 0.0):
+            per = (lt.exp() * (lt - ls)).sum(-1)
+        elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
+            per = (ls.exp() * (ls - lt)).sum(-1)
+        elif kind == "ce":
+            per = -(lt.exp() * ls).sum(-1)
+        else:
+            lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+            per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
     valid = None
     if target is not None:
         valid = target if target.dtype == torch.bool else target != ignore_index

@@ -5,13 +5,15 @@ teacher's xt (N, Dt), wt (V, Dt), bt or None, all of one dtype (float32, bfloat1
 heads are z = softcap(x W^T + b) * inv_temp; `kind` is one of distill.KINDS.
 
     forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp)
-        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks), each (N,) float32 or None (distill.RowStats): pass 1, one
-           kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
-           sum_j e_a (z_a - m_a) and sum_j e_a (z_a - z_b) (rescaled as m_a grows); for the JSD, pass 2 (the same
+        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks, zr), each (N,) float32 or None (distill.RowStats): pass 1,
+           one kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
+           sum_j e_a (z_a - m_a) and sum_j e_a ((z_a - m_a) - (z_b - zr)), zr = z_b at a's argmax (moved as m_a
+           grows); for the JSD, pass 2 (the same
            kernel, MODE 2) sums p_t (log p_t - log M) and p_s (log p_s - log M) with the final log-sum-exps.
     backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
              need_dw, need_db, workspace_bytes=None)
-        -> (dx_s | None, dW_s | None, db_s | None) for the per-row upstream gradient g (float32, 0 at ignored rows).
+        -> (dx_s | None, dW_s | None, db_s | None) for the per-row upstream gradient g (float32, 0 at ignored rows);
+           m_t and R as distill.row_loss gives them (for the reverse KL, the teacher's reference and da).
 
 Forward: programs own (token block x vocabulary split); each computes both heads' logit tiles with the linear-head
 kernels' _logits_tile (tensor descriptors where possible) and the splits' partials are merged with a few PyTorch
@@ -156,9 +158,10 @@ def _two_fwd_kernel(
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
 ):
-    # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a] of the split's tiles, with
-    # a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
-    # d_a = sum e_a (z_a - z_b), each only where asked for (HAS_ENT, HAS_D; 0 otherwise). MODE 2 (the JSD's pass
+    # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a, zr] of the split's tiles,
+    # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
+    # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), each only where asked for (HAS_ENT,
+    # HAS_D; 0 otherwise). MODE 2 (the JSD's pass
     # 2): partials [kt, ks] from stats_ptr's (4, N) final (m_s, logs_s, m_t, logs_t).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -205,6 +208,7 @@ def _two_fwd_kernel(
         s_b = tl.zeros((BLOCK_N,), tl.float32)
         ent = tl.zeros((BLOCK_N,), tl.float32)
         d_a = tl.zeros((BLOCK_N,), tl.float32)
+        zr = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
             zs, zt, _slope, col_ok = _two_tiles(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
@@ -220,7 +224,8 @@ def _two_fwd_kernel(
             if not EVEN_V:
                 za = tl.where(col_ok[None, :], za, float("-inf"))
                 zb = tl.where(col_ok[None, :], zb, float("-inf"))
-            ma_new = tl.maximum(m_a, tl.max(za, axis=1))
+            top = tl.max(za, axis=1)
+            ma_new = tl.maximum(m_a, top)
             alpha = exp(m_a - ma_new)
             da = za - ma_new[:, None]
             e = exp(da)
@@ -228,7 +233,13 @@ def _two_fwd_kernel(
             if HAS_ENT:
                 ent = rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
             if HAS_D:
-                d_a = alpha * d_a + tl.sum(tl.where(live, e * (za - zb), 0.0), axis=1)
+                # The reference zr is b's logit at a's argmax (distill.RowStats): it moves with the maximum, and
+                # the old terms move with both, by (m_a - m_a') - (zr - zr') each.
+                zr_new = tl.where(top > m_a, tl.max(tl.where(za == top[:, None], zb, float("-inf")), axis=1), zr)
+                w = alpha * s_a
+                d_a = (alpha * d_a + tl.where(w > 0, w * ((m_a - ma_new) - (zr - zr_new)), 0.0)
+                       + tl.sum(tl.where(live, e * (da - (zb - zr_new[:, None])), 0.0), axis=1))
+                zr = zr_new
             s_a = s_a * alpha + tl.sum(e, axis=1)
             m_a = ma_new
             mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
@@ -248,6 +259,7 @@ def _two_fwd_kernel(
             tl.store(out + 3 * step, s_a, mask=row_ok)
         tl.store(out + 4 * step, ent, mask=row_ok)
         tl.store(out + 5 * step, d_a, mask=row_ok)
+        tl.store(out + 6 * step, zr, mask=row_ok)
 
 
 @triton.jit
@@ -268,7 +280,7 @@ def _two_dz_kernel(
     USE_TMA: tl.constexpr, FUSED: tl.constexpr,
 ):
     # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
-    # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - R); MODE 2: scale p_s (log p_s - log M - R).
+    # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - KL); MODE 2: scale p_s (log p_s - log M - R).
     pid = tl.program_id(0)
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
     pid_n, pid_v = grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
@@ -289,17 +301,20 @@ def _two_dz_kernel(
     mt = tl.load(stats_ptr + 2 * N + rows_in)
     lst = tl.load(stats_ptr + 3 * N + rows_in)
     g = tl.load(g_ptr + rows_in)
-    ls = (zs - ms[:, None]) - lss[:, None]
-    lt = (zt - mt[:, None]) - lst[:, None]
+    cs = zs - ms[:, None]
+    ls = cs - lss[:, None]
     ps = tl.exp2(ls * LOG2E)
     if MODE == 0:
-        gz = ps - tl.exp2(lt * LOG2E)
+        gz = ps - tl.exp2(((zt - mt[:, None]) - lst[:, None]) * LOG2E)
     else:
         r = tl.load(r_ptr + rows_in)
         if MODE == 1:
-            inner = ls - lt - r[:, None]
+            # mt is the teacher's logit at the student's argmax and r = E_s[(z_s - m_s) - (z_t - mt)]
+            # (distill.row_loss): both terms are 0 at the argmax, so a saturated row leaves no rounding of
+            # logit-sized numbers in its gradient.
+            inner = cs - (zt - mt[:, None]) - r[:, None]
         else:
-            inner = ls - _log_mix(lt, ls, log_beta, log_1mb) - r[:, None]
+            inner = ls - _log_mix((zt - mt[:, None]) - lst[:, None], ls, log_beta, log_1mb) - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
@@ -384,7 +399,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     f32 = dict(device=xs.device, dtype=torch.float32)
     if N == 0:
         e = torch.empty(0, **f32)
-        return (e, e, e, e, e, e) + ((e, e) if kind == "jsd" else (None, None))
+        return (e, e, e, e, e, e) + ((e, e, None) if kind == "jsd" else (None, None, e))
     cfg = _config(xs)
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
@@ -396,7 +411,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     lb, l1 = _beta_logs(kind, beta)
     grid = (n_blocks * n_splits,)
     opts = (float(softcap or 1.0), float(inv_temp), lb, l1)
-    part = new_buffer((6, n_splits, N), **f32)
+    part = new_buffer((7, n_splits, N), **f32)
     # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
     # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
@@ -405,7 +420,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
                           MODE=0, WEIGHT_S=kind == "rkl", HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
                           EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
-    m_s, s_s, m_t, s_t, ent, d_a = part.unbind(0)
+    m_s, s_s, m_t, s_t, ent, d_a, zr = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
     sc_s, sc_t = torch.exp(m_s - big_s), torch.exp(m_t - big_t)
     S_s, S_t = (s_s * sc_s).sum(0), (s_t * sc_t).sum(0)
@@ -413,16 +428,18 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     m_a, s_a, sc_a, S_a, big_a = (m_s, s_s, sc_s, S_s, big_s) if w_s else (m_t, s_t, sc_t, S_t, big_t)
     w = sc_a * s_a
     ent = (sc_a * ent + torch.where(w > 0, w * (m_a - big_a), 0.0)).sum(0)
-    d_a = (sc_a * d_a).sum(0)
+    # The row's reference is the split holding its maximum; the others' d_a move to it.
+    zr_row = zr.gather(0, m_a.argmax(0, keepdim=True)).squeeze(0)
+    d_a = (sc_a * d_a + torch.where(w > 0, w * ((m_a - big_a) - (zr - zr_row)), 0.0)).sum(0)
     logs_s, logs_t = torch.log(S_s), torch.log(S_t)
     if kind != "jsd":
-        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row
     part2 = new_buffer((2, n_splits, N), **f32)
     _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2.sum(1).unbind(0)
-    return big_s, logs_s, big_t, logs_t, None, None, kt, ks
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, None
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
