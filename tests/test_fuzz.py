@@ -240,9 +240,9 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None):
 
 
 def _rule(name, ours, theirs, truth, extra=0.0, torch_floor=0.0):
-    """The error rule of tests/helpers.py, where an infinite truth matched exactly (a "mean" over class weights that sum to 0 with a
-    z-loss is inf, as in PyTorch) counts as no error: inf - inf would make the relative error NaN. torch_floor: a
-    lower bound on PyTorch's relative error (_reduced_torch_error)."""
+    """The error rule of tests/helpers.py, where an infinite truth matched exactly (a "mean" over class weights that
+    sum to 0 with a z-loss is inf, as in PyTorch) counts as no error: inf - inf would make the relative error NaN.
+    torch_floor: a lower bound on PyTorch's relative error (_reduced_torch_error)."""
     t64 = truth.detach().double()
     inf = torch.isinf(t64)
     if inf.any():
