@@ -116,7 +116,9 @@ class RowStats(NamedTuple):
     ea = E_a[z_a - m_a] (for the soft cross-entropy), zr = z_b at a's argmax (the reference) and
     da = E_a[(z_a - m_a) - (z_b - zr)]; for the JSD, kt = KL(p_t || M) and ks = KL(p_s || M) from the second pass
     (None otherwise). Both of da's terms are 0 at a's argmax: where p_a is nearly one-hot, da is the small sum of
-    the other classes' terms instead of a difference of logit-sized numbers (docs/math.md)."""
+    the other classes' terms instead of a difference of logit-sized numbers (docs/math.md). dl = logs_b - logs_a,
+    formed as log(s_b / s_a): near agreement the two log-sums are ~log V each, and their own roundings (2.4e-7 at
+    V = 100) would be most of a small KL's error."""
 
     m_s: torch.Tensor
     logs_s: torch.Tensor
@@ -127,20 +129,22 @@ class RowStats(NamedTuple):
     kt: torch.Tensor | None = None
     ks: torch.Tensor | None = None
     zr: torch.Tensor | None = None
+    dl: torch.Tensor | None = None
 
 
-def row_loss(kind: str, beta: float, st: RowStats) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(per-row loss, the row term R of the student's gradient or None, the teacher's row reference of dz_student:
-    its maximum m_t, or for the reverse KL its logit at the student's argmax). The terms are each small where the
-    loss is (docs/math.md): no difference of logit-sized numbers is left to cancel."""
+def row_loss(kind: str, beta: float, st: RowStats):
+    """(per-row loss, the row term R of the student's gradient or None, and the teacher's two row statistics of
+    dz_student, t_ref and t_aux: m_t and logs_t, but for the reverse KL t_ref is the teacher's logit at the
+    student's argmax, and for the JSD t_aux is logs_s - logs_t). The terms are each small where the loss is
+    (docs/math.md): no difference of logit-sized numbers is left to cancel."""
     if kind == "fkl":  # E_t[z_t - z_s] - lse_t + lse_s, with E_t[z_t - z_s] = da + m_t - zr
-        return st.da + ((st.m_s - st.zr) + (st.logs_s - st.logs_t)), None, st.m_t
+        return st.da + ((st.m_s - st.zr) + st.dl), None, st.m_t, st.logs_t
     if kind == "rkl":  # E_s[z_s - z_t] - lse_s + lse_t
         # dL/dz_s = p_s (l_s - l_t - KL) = p_s ((z_s - m_s) - (z_t - zr) - da): da is R, zr the teacher's reference.
-        return st.da + ((st.m_t - st.zr) + (st.logs_t - st.logs_s)), st.da, st.zr
+        return st.da + ((st.m_t - st.zr) + st.dl), st.da, st.zr, st.logs_t
     if kind == "ce":  # lse_s - E_t[z_s] = (m_s - zr) + logs_s - E_t[z_t - m_t] + da
-        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), None, st.m_t
-    return beta * st.kt + (1.0 - beta) * st.ks, st.ks, st.m_t
+        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), None, st.m_t, st.logs_t
+    return beta * st.kt + (1.0 - beta) * st.ks, st.ks, st.m_t, st.dl
 
 
 def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: str, lead_shape) -> torch.Tensor:
@@ -165,12 +169,12 @@ def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
     if kind in ("fkl", "ce"):
         dz = ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None])
     else:
-        lt = (zt - m_t[:, None]) - logs_t[:, None]
         if kind == "rkl":  # m_t is the teacher's logit at the student's argmax and R = da (row_loss)
             inner = (zs - m_s[:, None]) - (zt - m_t[:, None]) - R[:, None]
             scale = 1.0
         else:
-            inner = ls - _log_mix(lt, ls, beta) - R[:, None]
+            # logs_t is logs_s - logs_t here (row_loss)
+            inner = _ls_minus_lm(_lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta) - R[:, None]
             scale = 1.0 - beta
         dz = torch.where(ps > 0, ps * inner, 0.0)
         if scale != 1.0:
@@ -178,12 +182,22 @@ def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
     return dz * g[:, None]
 
 
-def _log_mix(lt, ls, beta):
-    """log(beta p_t + (1 - beta) p_s) from the log-probabilities, without underflow: a log-sum-exp of two."""
-    a = lt + math.log(beta)
-    b = ls + math.log1p(-beta)
-    hi = torch.maximum(a, b)
-    return hi + torch.log1p(torch.exp(torch.minimum(a, b) - hi))
+def _lt_minus_ls(zs, zt, m_s, m_t, dl):
+    """log p_t - log p_s of a block from each head's logits relative to its maximum (small where either head's
+    mass is) and dl = logs_s - logs_t formed as log(s_s / s_t): neither the logits' size nor the log-sums' (~log V)
+    rounding enters it."""
+    return ((zt - m_t[:, None]) - (zs - m_s[:, None])) + dl[:, None]
+
+
+def _ls_minus_lm(u, beta):
+    """log p_s - log M = -log(beta e^u + 1 - beta) for u = log p_t - log p_s, 0 < beta < 1 (and log p_t - log M
+    for -u and 1 - beta), without cancellation where the heads nearly agree (u <= 1: -log1p(beta expm1(u))) and
+    without overflow where they do not (u > 1: -(u + log beta) - log1p((1 - beta) / beta e^-u); the second form
+    cancels near u = 0). From l_s and log M taken apart, both ~log V, the difference kept their roundings (2.4e-7
+    each at V = 100) against a value of 1e-3."""
+    big = u > 1.0
+    arg = torch.where(big, (1.0 - beta) / beta * torch.exp(-u.clamp(min=1.0)), beta * torch.expm1(u.clamp(max=1.0)))
+    return -torch.log1p(arg) - torch.where(big, u + math.log(beta), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,7 +213,7 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
     n, V = a.xs.shape[0], a.ws.shape[0]
     acc = torch_backend.acc_dtype(a.xs.dtype)
     f = dict(device=a.xs.device, dtype=acc)
-    out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks", "zr")}
+    out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks", "zr", "dl")}
     w_student = weights_student(kind)
     cn = token_chunk(V)
     for i0, i1 in chunks(n, cn):
@@ -241,8 +255,10 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         out["m_s"][sl], out["logs_s"][sl] = m_s, torch.log(s_s)
         out["m_t"][sl], out["logs_t"][sl] = m_t, torch.log(s_t)
         out["ea"][sl], out["da"][sl], out["zr"][sl] = ent / s_a, dsum / s_a, ref
+        out["dl"][sl] = torch.log((s_t if w_student else s_s) / s_a)
     if kind != "jsd":
-        return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"], zr=out["zr"])
+        return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"], zr=out["zr"],
+                        dl=out["dl"])
     for i0, i1 in chunks(n, cn):
         sl = slice(i0, i1)
         kt = torch.zeros(i1 - i0, **f)
@@ -252,12 +268,15 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
             lt = (zt - out["m_t"][sl, None]) - out["logs_t"][sl, None]
-            lm = _log_mix(lt, ls, beta)
+            u = _lt_minus_ls(zs, zt, out["m_s"][sl], out["m_t"][sl], out["dl"][sl])
+            d_s = _ls_minus_lm(u, beta)  # l_s - log M
             pt, ps = torch.exp(lt), torch.exp(ls)
-            kt += torch.where(pt > 0, pt * (lt - lm), 0.0).sum(1)
-            ks += torch.where(ps > 0, ps * (ls - lm), 0.0).sum(1)
+            d_t = _ls_minus_lm(-u, 1.0 - beta)  # l_t - log M, not u + d_s: that cancels where u ~ 1e3
+            kt += torch.where(pt > 0, pt * d_t, 0.0).sum(1)
+            ks += torch.where(ps > 0, ps * d_s, 0.0).sum(1)
         out["kt"][sl], out["ks"][sl] = kt, ks
-    return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], None, None, out["kt"], out["ks"])
+    return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], None, None, out["kt"], out["ks"],
+                    dl=out["dl"])
 
 
 def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, R, g, needs):
@@ -304,8 +323,8 @@ class _TwoHeadsTorch(torch.autograd.Function):
     def forward(ctx, xs, ws, bs, a, kind, beta, softcap, inv_temp):
         a = a._replace(xs=xs, ws=ws, bs=bs)
         st = torch_stats(a, kind, beta, softcap, inv_temp)
-        loss, R, t_ref = row_loss(kind, beta, st)
-        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, st.m_s, st.logs_s, t_ref, st.logs_t, R)
+        loss, R, t_ref, t_aux = row_loss(kind, beta, st)
+        ctx.save_for_backward(xs, ws, bs, a.xt, a.wt, a.bt, st.m_s, st.logs_s, t_ref, t_aux, R)
         ctx.opts = (kind, beta, softcap, inv_temp)
         return loss
 
@@ -343,8 +362,8 @@ def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_by
     bt = None if bt is None else bt.contiguous()
     st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
                                            inv_temp=inv_temp))
-    loss, R, t_ref = row_loss(kind, beta, st)
-    return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, st.logs_t)),
+    loss, R, t_ref, t_aux = row_loss(kind, beta, st)
+    return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, t_aux)),
             torch.zeros_like(loss) if R is None else R.clone())
 
 

@@ -131,16 +131,32 @@ class _PairwiseDivergence(torch.autograd.Function):
 
 def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
                     target=None, ignore_index=-100, temperature=1.0, reduction="mean", student_bias=None,
-                    teacher_bias=None, softcap=None, upcast=True, pairwise_grad=False):
+                    teacher_bias=None, softcap=None, upcast=True, pairwise_grad=False, form="sum"):
     """The losses of logitless.distill by `kind` ("fkl", "rkl", "ce", "jsd" with `beta`); the teacher is detached.
     pairwise_grad: the same value, with the logits' gradient formed pairwise (_PairwiseDivergence): the float64
-    truth of the tests, accurate also where every class but one is saturated."""
+    truth of the tests, accurate also where every class but one is saturated. form: "sum" writes each divergence
+    as a sum over the log-softmaxes, "builtin" through PyTorch's own F.kl_div (log targets) and F.cross_entropy
+    (probabilities as the target): two ways a user writes it, whose float32 roundings differ."""
     zs = _upcast(F.linear(student_input, student_weight, student_bias), upcast)
     zt = _upcast(F.linear(teacher_input, teacher_weight, teacher_bias), upcast).detach()
     zs = _softcap(zs, softcap) / temperature
     zt = _softcap(zt, softcap) / temperature
     if pairwise_grad:
         per = _PairwiseDivergence.apply(zs, zt, kind, beta)
+    elif form == "builtin":
+        ls = torch.log_softmax(zs, dim=-1)
+        lt = torch.log_softmax(zt, dim=-1)
+        if kind == "fkl" or (kind == "jsd" and beta == 0.0):
+            per = F.kl_div(ls, lt, reduction="none", log_target=True).sum(-1)
+        elif kind == "rkl" or (kind == "jsd" and beta == 1.0):
+            per = F.kl_div(lt, ls, reduction="none", log_target=True).sum(-1)
+        elif kind == "ce":
+            flat = F.cross_entropy(ls.reshape(-1, ls.shape[-1]), lt.exp().reshape(-1, ls.shape[-1]), reduction="none")
+            per = flat.reshape(ls.shape[:-1])
+        else:
+            lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+            per = (beta * F.kl_div(lm, lt, reduction="none", log_target=True).sum(-1)
+                   + (1.0 - beta) * F.kl_div(lm, ls, reduction="none", log_target=True).sum(-1))
     else:
         ls = torch.log_softmax(zs, dim=-1)
         lt = torch.log_softmax(zt, dim=-1)

@@ -5,7 +5,7 @@ teacher's xt (N, Dt), wt (V, Dt), bt or None, all of one dtype (float32, bfloat1
 heads are z = softcap(x W^T + b) * inv_temp; `kind` is one of distill.KINDS.
 
     forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp)
-        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks, zr), each (N,) float32 or None (distill.RowStats): pass 1,
+        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks, zr, dl), each (N,) float32 or None (distill.RowStats): pass 1,
            one kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
            sum_j e_a (z_a - m_a) and sum_j e_a ((z_a - m_a) - (z_b - zr)), zr = z_b at a's argmax (moved as m_a
            grows); for the JSD, pass 2 (the same
@@ -126,19 +126,28 @@ def _two_tiles(
 
 
 @triton.jit
-def _log1p(u):
-    # log(1 + u) for u in [0, 1]: log(1 + u) loses u entirely below float32's epsilon, and with it the JSD
-    # gradient's small differences where one head is nearly one-hot; u (1 - u/2 + u^2/3) is exact to 1e-9 there.
-    return tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u * 0.3333333333333333)), tl.log(1.0 + u))
+def _log1p_any(x):
+    # log(1 + x) for x > -1 to a few ulps (Kahan): log(w) x / (w - 1) with w = 1 + x rounded, which corrects the
+    # rounding of w; x itself where w rounds to 1.
+    w = 1.0 + x
+    return tl.where(w == 1.0, x, tl.log(w) * (x / (w - 1.0)))
 
 
 @triton.jit
-def _log_mix(lt, ls, log_beta, log_1mb):
-    # log(beta p_t + (1 - beta) p_s) from the log-probabilities: a log-sum-exp of two terms.
-    a = lt + log_beta
-    b = ls + log_1mb
-    hi = tl.maximum(a, b)
-    return hi + _log1p(exp(tl.minimum(a, b) - hi))
+def _expm1_le1(v):
+    # e^v - 1 for v <= 1 to a few ulps (Kahan's form of it, as _log1p_any); -1 below v = -20, where e^v is under
+    # half an ulp of 1 (and further down a denormal whose logarithm is no longer v).
+    w = exp(v)
+    return tl.where(w == 1.0, v, tl.where(v < -20.0, -1.0, (w - 1.0) * (v / tl.log(w))))
+
+
+@triton.jit
+def _ls_minus_lm(u, log_beta, k_pos, beta):
+    # log p_s - log M = -log(beta e^u + 1 - beta) for u = log p_t - log p_s (distill._ls_minus_lm): no
+    # cancellation where the heads agree (u <= 1), no overflow where they do not (u > 1); k_pos = (1 - beta) / beta.
+    big = u > 1.0
+    arg = tl.where(big, k_pos * exp(-tl.maximum(u, 1.0)), beta * _expm1_le1(tl.minimum(u, 1.0)))
+    return -_log1p_any(arg) - tl.where(big, u + log_beta, 0.0)
 
 
 @triton.jit
@@ -162,7 +171,7 @@ def _two_fwd_kernel(
     # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
     # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), each only where asked for (HAS_ENT,
     # HAS_D; 0 otherwise). MODE 2 (the JSD's pass
-    # 2): partials [kt, ks] from stats_ptr's (4, N) final (m_s, logs_s, m_t, logs_t).
+    # 2): partials [kt, ks] from stats_ptr's (5, N) final (m_s, logs_s, m_t, logs_t, logs_s - logs_t).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, split = grouped(pid, n_blocks, n_splits, GROUP)
@@ -180,6 +189,9 @@ def _two_fwd_kernel(
         lss = tl.load(stats_ptr + N + rows_in)
         mt = tl.load(stats_ptr + 2 * N + rows_in)
         lst = tl.load(stats_ptr + 3 * N + rows_in)
+        dl = tl.load(stats_ptr + 4 * N + rows_in)  # logs_s - logs_t, formed as log(S_s / S_t)
+        beta = tl.exp(log_beta)
+        k_pos = tl.exp(log_1mb - log_beta)
         kt = tl.zeros((BLOCK_N,), tl.float32)
         ks = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
@@ -188,15 +200,19 @@ def _two_fwd_kernel(
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
                 DOT_PRECISION, UPCAST, USE_TMA, FUSED)
-            ls = (zs - ms[:, None]) - lss[:, None]
-            lt = (zt - mt[:, None]) - lst[:, None]
-            lm = _log_mix(lt, ls, log_beta, log_1mb)
+            cs = zs - ms[:, None]
+            ct = zt - mt[:, None]
+            ls = cs - lss[:, None]
+            lt = ct - lst[:, None]
+            u = (ct - cs) + dl[:, None]  # log p_t - log p_s (distill._lt_minus_ls)
+            d_s = _ls_minus_lm(u, log_beta, k_pos, beta)  # log p_s - log M
             ps = exp(ls)
             pt = exp(lt)
             ok = col_ok[None, :] & (ps > 0)
-            ks += tl.sum(tl.where(ok, ps * (ls - lm), 0.0), axis=1)
+            ks += tl.sum(tl.where(ok, ps * d_s, 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
-            kt += tl.sum(tl.where(ok, pt * (lt - lm), 0.0), axis=1)
+            d_t = _ls_minus_lm(-u, log_1mb, 1.0 / k_pos, 1.0 - beta)  # log p_t - log M (u + d_s cancels)
+            kt += tl.sum(tl.where(ok, pt * d_t, 0.0), axis=1)
             col0 += BLOCK_V
         tl.store(out, kt, mask=row_ok)
         tl.store(out + n_splits * N, ks, mask=row_ok)
@@ -314,7 +330,9 @@ def _two_dz_kernel(
             # logit-sized numbers in its gradient.
             inner = cs - (zt - mt[:, None]) - r[:, None]
         else:
-            inner = ls - _log_mix((zt - mt[:, None]) - lst[:, None], ls, log_beta, log_1mb) - r[:, None]
+            # lst is logs_s - logs_t here (distill.row_loss)
+            u = ((zt - mt[:, None]) - cs) + lst[:, None]
+            inner = _ls_minus_lm(u, log_beta, tl.exp(log_1mb - log_beta), tl.exp(log_beta)) - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
@@ -399,7 +417,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     f32 = dict(device=xs.device, dtype=torch.float32)
     if N == 0:
         e = torch.empty(0, **f32)
-        return (e, e, e, e, e, e) + ((e, e, None) if kind == "jsd" else (None, None, e))
+        return (e, e, e, e, e, e) + ((e, e, None, e) if kind == "jsd" else (None, None, e, e))
     cfg = _config(xs)
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
@@ -433,13 +451,15 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     d_a = (sc_a * d_a + torch.where(w > 0, w * ((m_a - big_a) - (zr - zr_row)), 0.0)).sum(0)
     logs_s, logs_t = torch.log(S_s), torch.log(S_t)
     if kind != "jsd":
-        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row
+        S_b = S_t if w_s else S_s
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, torch.log(S_b / S_a)
     part2 = new_buffer((2, n_splits, N), **f32)
-    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t]), part2, N, V, Ds, xt.shape[1],
+    dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
+    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl]), part2, N, V, Ds, xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2.sum(1).unbind(0)
-    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, None
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, None, dl
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
