@@ -174,7 +174,7 @@ def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
             scale = 1.0
         else:
             # logs_t is logs_s - logs_t here (row_loss)
-            inner = _ls_minus_lm(_lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta) - R[:, None]
+            inner = _mix_terms(_lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta)[0] - R[:, None]
             scale = 1.0 - beta
         dz = torch.where(ps > 0, ps * inner, 0.0)
         if scale != 1.0:
@@ -189,15 +189,18 @@ def _lt_minus_ls(zs, zt, m_s, m_t, dl):
     return ((zt - m_t[:, None]) - (zs - m_s[:, None])) + dl[:, None]
 
 
-def _ls_minus_lm(u, beta):
-    """log p_s - log M = -log(beta e^u + 1 - beta) for u = log p_t - log p_s, 0 < beta < 1 (and log p_t - log M
-    for -u and 1 - beta), without cancellation where the heads nearly agree (u <= 1: -log1p(beta expm1(u))) and
-    without overflow where they do not (u > 1: -(u + log beta) - log1p((1 - beta) / beta e^-u); the second form
-    cancels near u = 0). From l_s and log M taken apart, both ~log V, the difference kept their roundings (2.4e-7
-    each at V = 100) against a value of 1e-3."""
+def _mix_terms(u, beta):
+    """(log p_s - log M, log p_t - log M) for u = log p_t - log p_s, 0 < beta < 1, from
+    L = log1p(beta expm1(u)) for u <= 1 and log1p((1 - beta) / beta e^-u) for u > 1 (no overflow; that form
+    cancels near u = 0): -L - [u > 1] (u + log beta) and [u > 1] (-log beta - L) + [u <= 1] (u + log p_s - log M).
+    From l_s and log M taken apart, both ~log V, the difference kept their roundings (2.4e-7 each at V = 100)
+    against values of 1e-3 where the heads nearly agree."""
     big = u > 1.0
-    arg = torch.where(big, (1.0 - beta) / beta * torch.exp(-u.clamp(min=1.0)), beta * torch.expm1(u.clamp(max=1.0)))
-    return -torch.log1p(arg) - torch.where(big, u + math.log(beta), 0.0)
+    L = torch.log1p(torch.where(big, (1.0 - beta) / beta * torch.exp(-u.clamp(min=1.0)),
+                                beta * torch.expm1(u.clamp(max=1.0))))
+    d_s = -L - torch.where(big, u + math.log(beta), 0.0)
+    d_t = torch.where(big, -math.log(beta) - L, u + d_s)
+    return d_s, d_t
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,9 +272,8 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
             ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
             lt = (zt - out["m_t"][sl, None]) - out["logs_t"][sl, None]
             u = _lt_minus_ls(zs, zt, out["m_s"][sl], out["m_t"][sl], out["dl"][sl])
-            d_s = _ls_minus_lm(u, beta)  # l_s - log M
+            d_s, d_t = _mix_terms(u, beta)  # l_s - log M, l_t - log M
             pt, ps = torch.exp(lt), torch.exp(ls)
-            d_t = _ls_minus_lm(-u, 1.0 - beta)  # l_t - log M, not u + d_s: that cancels where u ~ 1e3
             kt += torch.where(pt > 0, pt * d_t, 0.0).sum(1)
             ks += torch.where(ps > 0, ps * d_s, 0.0).sum(1)
         out["kt"][sl], out["ks"][sl] = kt, ks

@@ -126,28 +126,23 @@ def _two_tiles(
 
 
 @triton.jit
-def _log1p_any(x):
-    # log(1 + x) for x > -1 to a few ulps (Kahan): log(w) x / (w - 1) with w = 1 + x rounded, which corrects the
-    # rounding of w; x itself where w rounds to 1.
-    w = 1.0 + x
-    return tl.where(w == 1.0, x, tl.log(w) * (x / (w - 1.0)))
-
-
-@triton.jit
-def _expm1_le1(v):
-    # e^v - 1 for v <= 1 to a few ulps (Kahan's form of it, as _log1p_any); -1 below v = -20, where e^v is under
-    # half an ulp of 1 (and further down a denormal whose logarithm is no longer v).
-    w = exp(v)
-    return tl.where(w == 1.0, v, tl.where(v < -20.0, -1.0, (w - 1.0) * (v / tl.log(w))))
-
-
-@triton.jit
-def _ls_minus_lm(u, log_beta, k_pos, beta):
-    # log p_s - log M = -log(beta e^u + 1 - beta) for u = log p_t - log p_s (distill._ls_minus_lm): no
-    # cancellation where the heads agree (u <= 1), no overflow where they do not (u > 1); k_pos = (1 - beta) / beta.
+def _mix_terms(u, log_beta, k_pos, beta):
+    # (log p_s - log M, log p_t - log M) for u = log p_t - log p_s (distill._mix_terms), with one exp, one log and
+    # one division: L = log1p(beta expm1(u)) for u <= 1, log1p(k_pos e^-u) for u > 1 (k_pos = (1 - beta) / beta).
+    # expm1 is its series below |u| = 0.5 (to u^8 / 8!: 5e-9 relative) and e^u - 1 above (within 3 ulps there);
+    # log1p is Kahan's log(w) x / (w - 1), w = 1 + x, which corrects w's rounding. Each form keeps its error a few
+    # ulps of the value where the heads nearly agree (values ~1e-3 beside log-probabilities ~ -log V).
     big = u > 1.0
-    arg = tl.where(big, k_pos * exp(-tl.maximum(u, 1.0)), beta * _expm1_le1(tl.minimum(u, 1.0)))
-    return -_log1p_any(arg) - tl.where(big, u + log_beta, 0.0)
+    q = exp(tl.where(big, -u, u))
+    series = u * (1.0 + u * (0.5 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120 + u * (1.0 / 720 + u * (
+        1.0 / 5040 + u * (1.0 / 40320))))))))
+    em = tl.where(tl.abs(u) < 0.5, series, q - 1.0)
+    x = tl.where(big, k_pos * q, beta * em)
+    w = 1.0 + x
+    L = tl.where(w == 1.0, x, tl.log(w) * (x / (w - 1.0)))
+    d_s = -L - tl.where(big, u + log_beta, 0.0)
+    d_t = tl.where(big, -log_beta - L, u + d_s)
+    return d_s, d_t
 
 
 @triton.jit
@@ -159,7 +154,7 @@ def _two_fwd_kernel(
     # strides
     sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d,
     # options
-    softcap, inv_temp, log_beta, log_1mb,
+    softcap, inv_temp, log_beta, beta, k_pos,
     # meta-parameters
     MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
@@ -190,8 +185,6 @@ def _two_fwd_kernel(
         mt = tl.load(stats_ptr + 2 * N + rows_in)
         lst = tl.load(stats_ptr + 3 * N + rows_in)
         dl = tl.load(stats_ptr + 4 * N + rows_in)  # logs_s - logs_t, formed as log(S_s / S_t)
-        beta = tl.exp(log_beta)
-        k_pos = tl.exp(log_1mb - log_beta)
         kt = tl.zeros((BLOCK_N,), tl.float32)
         ks = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
@@ -205,13 +198,12 @@ def _two_fwd_kernel(
             ls = cs - lss[:, None]
             lt = ct - lst[:, None]
             u = (ct - cs) + dl[:, None]  # log p_t - log p_s (distill._lt_minus_ls)
-            d_s = _ls_minus_lm(u, log_beta, k_pos, beta)  # log p_s - log M
+            d_s, d_t = _mix_terms(u, log_beta, k_pos, beta)  # log p_s - log M, log p_t - log M
             ps = exp(ls)
             pt = exp(lt)
             ok = col_ok[None, :] & (ps > 0)
             ks += tl.sum(tl.where(ok, ps * d_s, 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
-            d_t = _ls_minus_lm(-u, log_1mb, 1.0 / k_pos, 1.0 - beta)  # log p_t - log M (u + d_s cancels)
             kt += tl.sum(tl.where(ok, pt * d_t, 0.0), axis=1)
             col0 += BLOCK_V
         tl.store(out, kt, mask=row_ok)
@@ -287,7 +279,7 @@ def _two_dz_kernel(
     # strides
     sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, stride_dz, stride_dbp,
     # options
-    softcap, inv_temp, log_beta, log_1mb, scale,
+    softcap, inv_temp, log_beta, beta, k_pos, scale,
     # meta-parameters
     MODE: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
@@ -332,7 +324,8 @@ def _two_dz_kernel(
         else:
             # lst is logs_s - logs_t here (distill.row_loss)
             u = ((zt - mt[:, None]) - cs) + lst[:, None]
-            inner = _ls_minus_lm(u, log_beta, tl.exp(log_1mb - log_beta), tl.exp(log_beta)) - r[:, None]
+            d_s, _ = _mix_terms(u, log_beta, k_pos, beta)
+            inner = d_s - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
@@ -404,10 +397,12 @@ def _products(dz, xs, wc, dw_rows, dx_acc, accumulate: bool) -> None:
         dx_acc.addmm_(dz[:, c0:c1].float(), wc[c0:c1].float())
 
 
-def _beta_logs(kind, beta):
+def _beta_args(kind, beta):
+    # (log beta, beta, (1 - beta) / beta) of the JSD, from the host's float64: beta taken back from its logarithm
+    # in float32 is off by an ulp, which 1 - beta amplifies (9 x at beta = 0.9) in log p_s - log M.
     if kind != "jsd":
-        return 0.0, 0.0
-    return math.log(beta), math.log1p(-beta)
+        return 0.0, 0.0, 0.0
+    return math.log(beta), float(beta), (1.0 - beta) / beta
 
 
 def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
@@ -426,9 +421,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     per = cdiv(n_vtiles, n_splits)
     n_splits = cdiv(n_vtiles, per)
     args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
-    lb, l1 = _beta_logs(kind, beta)
     grid = (n_blocks * n_splits,)
-    opts = (float(softcap or 1.0), float(inv_temp), lb, l1)
+    opts = (float(softcap or 1.0), float(inv_temp), *_beta_args(kind, beta))
     part = new_buffer((7, n_splits, N), **f32)
     # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
     # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
@@ -477,7 +471,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     plan = plans._plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
     args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     stats = torch.stack([m_s, logs_s, m_t, logs_t])
-    lb, l1 = _beta_logs(kind, beta)
+    beta_args = _beta_args(kind, beta)
     mode = _MODES[kind]
     scale = 1.0 - beta if kind == "jsd" else 1.0
     n_blocks = cdiv(N, cfg.block_n)
@@ -500,7 +494,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         _two_dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.block_v),)](
             *args, stats, R, g, dz_arg, dbp,
             N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
-            float(softcap or 1.0), float(inv_temp), lb, l1, scale,
+            float(softcap or 1.0), float(inv_temp), *beta_args, scale,
             MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, **meta)
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
