@@ -257,6 +257,30 @@ def _rule(name, ours, theirs, truth, extra=0.0, torch_floor=0.0):
         f"{name}: our relative error {e_ours:.3e} exceeds 2.0 x PyTorch's {e_torch:.3e} + {1e-6 + extra:g}")
 
 
+def _typical_torch_error(case, inp, dtype, draws: int = 6) -> float:
+    """PyTorch's error on a two-head loss as its root mean square over the case's inputs and `draws` copies whose
+    hidden states are moved by 0.1% (each against its own float64 truth: the same regime, other roundings; moves
+    of a few ulps kept the roundings). Near agreement the loss is a difference of log-sum-exps ~log V, and one
+    draw of their roundings can land 20 x under the typical error (a KL of 1.4e-5 at V = 2: 1.6e-9 off, where
+    2000 such rows give a median of 2.8e-8, PyTorch's and ours alike)."""
+    if case["n"] == 0:
+        return 0.0
+    g = torch.Generator().manual_seed(case["seed"] + 99)
+    errs = []
+    for k in range(draws + 1):
+        moved = dict(inp)
+        if k:
+            for key in ("x", "xt"):
+                t = inp[key].to(dtype)
+                moved[key] = (t.float() * (1.0 + 1e-3 * torch.randn(t.shape, generator=g))).to(dtype).float()
+        theirs = _run(case, moved, dtype, ours=False)[0]
+        truth = _run(case, moved, torch.float64, ours=False, src_dtype=dtype)[0]
+        if not torch.isfinite(truth).all():
+            return 0.0
+        errs.append(rel_err(theirs, truth))
+    return (sum(e * e for e in errs) / len(errs)) ** 0.5
+
+
 def _reduced_torch_error(case, inp, dtype, reduced_truth) -> float:
     """PyTorch's relative error on a "mean" or "sum", taken from its per-row errors: sqrt(sum e_i^2) times the
     reduction's factor. The error of its reduced value alone is a sum of row errors that can cancel by chance (three
@@ -292,7 +316,7 @@ def run_case(case) -> None:
     # rounding is 2.4e-7).
     alt = _run(case, inp, dtype, ours=False, form="builtin") if case["op"] == "two_heads" else None
     if alt is not None:
-        floor = max(floor, rel_err(alt[0], out_64))
+        floor = max(floor, rel_err(alt[0], out_64), _typical_torch_error(case, inp, dtype))
     _rule("value", out, out_t, out_64, torch_floor=floor)
     if not leaves:
         return
