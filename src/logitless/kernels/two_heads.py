@@ -130,8 +130,9 @@ def _mix_terms(u, log_beta, k_pos, beta):
     # (log p_s - log M, log p_t - log M) for u = log p_t - log p_s (distill._mix_terms), with one exp, one log and
     # one division: L = log1p(beta expm1(u)) for u <= 1, log1p(k_pos e^-u) for u > 1 (k_pos = (1 - beta) / beta).
     # expm1 is its series below |u| = 0.5 (to u^8 / 8!: 5e-9 relative) and e^u - 1 above (within 3 ulps there);
-    # log1p is Kahan's log(w) x / (w - 1), w = 1 + x, which corrects w's rounding. Each form keeps its error a few
-    # ulps of the value where the heads nearly agree (values ~1e-3 beside log-probabilities ~ -log V).
+    # log1p is log(w) + (x - (w - 1)) / w with w = 1 + x rounded: the second term puts back w's rounding, and a
+    # correction that small needs no exact division. Each form keeps its error a few ulps of the value where the
+    # heads nearly agree (values ~1e-3 beside log-probabilities ~ -log V).
     big = u > 1.0
     q = exp(tl.where(big, -u, u))
     series = u * (1.0 + u * (0.5 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120 + u * (1.0 / 720 + u * (
@@ -139,7 +140,7 @@ def _mix_terms(u, log_beta, k_pos, beta):
     em = tl.where(tl.abs(u) < 0.5, series, q - 1.0)
     x = tl.where(big, k_pos * q, beta * em)
     w = 1.0 + x
-    L = tl.where(w == 1.0, x, tl.log(w) * (x / (w - 1.0)))
+    L = tl.log(w) + tl.fdiv(x - (w - 1.0), w, ieee_rounding=False)
     d_s = -L - tl.where(big, u + log_beta, 0.0)
     d_t = tl.where(big, -log_beta - L, u + d_s)
     return d_s, d_t
