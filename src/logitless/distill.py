@@ -39,8 +39,9 @@ DIRECTIONS = ("forward", "reverse")
 
 
 def weights_student(kind: str) -> bool:
-    """Whether the cross sum of pass 1 is weighted by the student's softmax (reverse KL) or the teacher's."""
-    return kind == "rkl"
+    """Whether pass 1's cross sum and reference follow the student's softmax (reverse KL; the JSD, which uses only
+    the reference) or the teacher's."""
+    return kind in ("rkl", "jsd")
 
 
 class TwoHeadArgs(NamedTuple):
@@ -112,13 +113,15 @@ def check_beta(beta) -> float:
 
 
 class RowStats(NamedTuple):
-    """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a:
-    ea = E_a[z_a - m_a] (for the soft cross-entropy), zr = z_b at a's argmax (the reference) and
-    da = E_a[(z_a - m_a) - (z_b - zr)]; for the JSD, kt = KL(p_t || M) and ks = KL(p_s || M) from the second pass
-    (None otherwise). Both of da's terms are 0 at a's argmax: where p_a is nearly one-hot, da is the small sum of
-    the other classes' terms instead of a difference of logit-sized numbers (docs/math.md). dl = logs_b - logs_a,
-    formed as log(s_b / s_a): near agreement the two log-sums are ~log V each, and their own roundings (2.4e-7 at
-    V = 100) would be most of a small KL's error."""
+    """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a (the student
+    for the reverse KL and the JSD, the teacher otherwise; b the other): ea = E_a[z_a - m_a] (for the soft
+    cross-entropy), zr = z_b at a's argmax (the reference), da = E_a[(z_a - m_a) - (z_b - zr)], and
+    dl = logs_b - logs_a formed as log(s_b / s_a). For the JSD, kt = KL(p_t || M) from the second pass and ks
+    relative to the reference: sum_j p_s (d_j - d_ref), d = log p_s - log M and d_ref its value at the student's
+    argmax (None otherwise). Both of da's terms, and d - d_ref, are 0 at a's argmax: where p_a is nearly one-hot,
+    the sums are the small terms of the other classes instead of differences of logit-sized numbers; and near
+    agreement the two log-sums are ~log V each, whose own roundings (2.4e-7 at V = 100) would be most of a small
+    divergence's error (docs/math.md)."""
 
     m_s: torch.Tensor
     logs_s: torch.Tensor
@@ -144,7 +147,11 @@ def row_loss(kind: str, beta: float, st: RowStats):
         return st.da + ((st.m_t - st.zr) + st.dl), st.da, st.zr, st.logs_t
     if kind == "ce":  # lse_s - E_t[z_s] = (m_s - zr) + logs_s - E_t[z_t - m_t] + da
         return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), None, st.m_t, st.logs_t
-    return beta * st.kt + (1.0 - beta) * st.ks, st.ks, st.m_t, st.dl
+    # R: (ks, u at the student's argmax); dz_student's row term is d - d_ref - ks, 0 at the argmax's own class
+    # (a = the student: dl = logs_t - logs_s, so u = lt - ls takes -dl)
+    u_ref = (st.zr - st.m_t) - st.dl
+    d_ref = _mix_terms(u_ref, beta)[0]
+    return beta * st.kt + (1.0 - beta) * (st.ks + d_ref), torch.stack([st.ks, u_ref]), st.m_t, -st.dl
 
 
 def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: str, lead_shape) -> torch.Tensor:
@@ -174,7 +181,8 @@ def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
             scale = 1.0
         else:
             # logs_t is logs_s - logs_t here (row_loss)
-            inner = _mix_terms(_lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta)[0] - R[:, None]
+            d_ref = _mix_terms(R[1], beta)[0]
+            inner = (_mix_terms(_lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta)[0] - d_ref[:, None]) - R[0][:, None]
             scale = 1.0 - beta
         dz = torch.where(ps > 0, ps * inner, 0.0)
         if scale != 1.0:
@@ -262,6 +270,7 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
     if kind != "jsd":
         return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"], zr=out["zr"],
                         dl=out["dl"])
+    d_ref = _mix_terms((out["zr"] - out["m_t"]) - out["dl"], beta)[0]  # at the student's argmax (RowStats)
     for i0, i1 in chunks(n, cn):
         sl = slice(i0, i1)
         kt = torch.zeros(i1 - i0, **f)
@@ -271,14 +280,14 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
             lt = (zt - out["m_t"][sl, None]) - out["logs_t"][sl, None]
-            u = _lt_minus_ls(zs, zt, out["m_s"][sl], out["m_t"][sl], out["dl"][sl])
+            u = _lt_minus_ls(zs, zt, out["m_s"][sl], out["m_t"][sl], -out["dl"][sl])
             d_s, d_t = _mix_terms(u, beta)  # l_s - log M, l_t - log M
             pt, ps = torch.exp(lt), torch.exp(ls)
             kt += torch.where(pt > 0, pt * d_t, 0.0).sum(1)
-            ks += torch.where(ps > 0, ps * d_s, 0.0).sum(1)
+            ks += torch.where(ps > 0, ps * (d_s - d_ref[sl, None]), 0.0).sum(1)
         out["kt"][sl], out["ks"][sl] = kt, ks
     return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], None, None, out["kt"], out["ks"],
-                    dl=out["dl"])
+                    zr=out["zr"], dl=out["dl"])
 
 
 def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, R, g, needs):
@@ -303,7 +312,7 @@ def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, 
             zs = torch_backend.transform(raw, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             dz = dz_student(kind, beta, zs, zt, st.m_s[sl], st.logs_s[sl], st.m_t[sl], st.logs_t[sl],
-                            None if R is None else R[sl], g[sl])
+                            None if R is None else R[..., sl], g[sl])
             dz = torch_backend.chain_transform(dz, raw, softcap, inv_temp)
             if need_x:
                 dx[sl] += dz @ w_c
@@ -356,8 +365,8 @@ _GRAD_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor
 
 @torch.library.custom_op("logitless::two_heads_loss", mutates_args=(), schema=_LOSS_SCHEMA)
 def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
-    """(per-row loss, m_s, logs_s, m_t, logs_t, R), each (N,) float32; R is the row term of the student's gradient
-    (zeros where the kind has none). workspace_bytes is for the backward."""
+    """(per-row loss, m_s, logs_s, m_t, logs_t, R), float32, (N,) each but R (2, N): the row terms of the student's
+    gradient (row_loss; zeros where the kind has none). workspace_bytes is for the backward."""
     from .kernels import two_heads
 
     bs = None if bs is None else bs.contiguous()  # the kernels read biases with unit stride
@@ -365,13 +374,23 @@ def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_by
     st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
                                            inv_temp=inv_temp))
     loss, R, t_ref, t_aux = row_loss(kind, beta, st)
-    return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, t_aux)),
-            torch.zeros_like(loss) if R is None else R.clone())
+    return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, t_aux)), _rows2(R, loss))
+
+
+def _rows2(R, like):
+    # The gradient's row terms as one (2, N) tensor (the op's fixed output): R's rows, zeros where there is none.
+    out = torch.zeros((2, like.shape[0]), dtype=like.dtype, device=like.device)
+    if R is not None and R.dim() == 1:
+        out[0] = R
+    elif R is not None:
+        out.copy_(R)
+    return out
 
 
 @_loss_op.register_fake
 def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
-    return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(6))
+    return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(5)) + (
+        xs.new_empty((2, xs.shape[0]), dtype=torch.float32),)
 
 
 @torch.library.custom_op("logitless::two_heads_grad", mutates_args=(), schema=_GRAD_SCHEMA)

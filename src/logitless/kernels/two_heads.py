@@ -127,9 +127,11 @@ def _two_tiles(
 
 @triton.jit
 def _log1p(u):
-    # log(1 + u) for u in [0, 1]: log(1 + u) loses u entirely below float32's epsilon; u (1 - u/2 + u^2/3) is exact
-    # to 1e-9 there.
-    return tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u * 0.3333333333333333)), tl.log(1.0 + u))
+    # log(1 + u) for u in [0, 1] to an ulp or two: log(w) + (u - (w - 1)) / w with w = 1 + u rounded (w - 1 is
+    # exact), whose second term puts back w's rounding (up to 6e-8, against values down to 1e-3 where two heads
+    # nearly agree); a correction that small needs no exact division.
+    w = 1.0 + u
+    return tl.log(w) + tl.fdiv(u - (w - 1.0), w, ieee_rounding=False)
 
 
 @triton.jit
@@ -141,7 +143,14 @@ def _mix_terms(u, log_beta, log_1mb, c0):
     # is; expm1 / log1p forms (an ulp of the value) measured 1.2-1.3 x slower on the JSD.
     t = _log1p(exp(-tl.abs(u - c0)))
     d_s = -tl.maximum(u + log_beta, log_1mb) - t
-    d_t = -tl.maximum(log_beta, log_1mb - u) - t
+    # Near agreement (|u| < 0.1) the sum above keeps an ulp of log(1 - beta) or log(beta) (6e-8 at beta = 0.5)
+    # against values ~1e-3: there -log(1 - beta + beta e^u) is the Bernoulli cumulant series, to u^5 (1e-9).
+    b = tl.exp(log_beta)
+    v = b * (1.0 - b)
+    k5 = u * (b + u * (v * 0.5 + u * (v * (1.0 - 2.0 * b) / 6.0 + u * (v * (1.0 - 6.0 * v) / 24.0 + u * (
+        v * (1.0 - 2.0 * b) * (1.0 - 12.0 * v) / 120.0)))))
+    d_s = tl.where(tl.abs(u) < 0.1, -k5, d_s)
+    d_t = tl.where(tl.abs(u) < 0.1, u + d_s, -tl.maximum(log_beta, log_1mb - u) - t)
     return d_s, d_t
 
 
@@ -156,7 +165,7 @@ def _two_fwd_kernel(
     # options
     softcap, inv_temp, log_beta, log_1mb, c0,
     # meta-parameters
-    MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr,
+    MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr, HAS_REF: tl.constexpr,
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
@@ -166,7 +175,8 @@ def _two_fwd_kernel(
     # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
     # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), each only where asked for (HAS_ENT,
     # HAS_D; 0 otherwise). MODE 2 (the JSD's pass
-    # 2): partials [kt, ks] from stats_ptr's (5, N) final (m_s, logs_s, m_t, logs_t, logs_s - logs_t).
+    # 2): partials [kt, ks] from stats_ptr's (6, N) final (m_s, logs_s, m_t, logs_t, logs_s - logs_t, u_ref), ks
+    # relative to the student's argmax (distill.RowStats).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, split = grouped(pid, n_blocks, n_splits, GROUP)
@@ -185,6 +195,9 @@ def _two_fwd_kernel(
         mt = tl.load(stats_ptr + 2 * N + rows_in)
         lst = tl.load(stats_ptr + 3 * N + rows_in)
         dl = tl.load(stats_ptr + 4 * N + rows_in)  # logs_s - logs_t, formed as log(S_s / S_t)
+        # u at the student's argmax: its log p_s - log M is the reference of ks (distill.RowStats), computed by the
+        # same function as each class's, so that the argmax's own term is exactly 0
+        d_ref, _ = _mix_terms(tl.load(stats_ptr + 5 * N + rows_in), log_beta, log_1mb, c0)
         kt = tl.zeros((BLOCK_N,), tl.float32)
         ks = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
@@ -202,7 +215,7 @@ def _two_fwd_kernel(
             ps = exp(ls)
             pt = exp(lt)
             ok = col_ok[None, :] & (ps > 0)
-            ks += tl.sum(tl.where(ok, ps * d_s, 0.0), axis=1)
+            ks += tl.sum(tl.where(ok, ps * (d_s - d_ref[:, None]), 0.0), axis=1)
             ok = col_ok[None, :] & (pt > 0)
             kt += tl.sum(tl.where(ok, pt * d_t, 0.0), axis=1)
             col0 += BLOCK_V
@@ -240,13 +253,14 @@ def _two_fwd_kernel(
             live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
             if HAS_ENT:
                 ent = rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
-            if HAS_D:
+            if HAS_REF:
                 # The reference zr is b's logit at a's argmax (distill.RowStats): it moves with the maximum, and
-                # the old terms move with both, by (m_a - m_a') - (zr - zr') each.
+                # the old terms of d_a move with both, by (m_a - m_a') - (zr - zr') each.
                 zr_new = tl.where(top > m_a, tl.max(tl.where(za == top[:, None], zb, float("-inf")), axis=1), zr)
-                w = alpha * s_a
-                d_a = (alpha * d_a + tl.where(w > 0, w * ((m_a - ma_new) - (zr - zr_new)), 0.0)
-                       + tl.sum(tl.where(live, e * (da - (zb - zr_new[:, None])), 0.0), axis=1))
+                if HAS_D:
+                    w = alpha * s_a
+                    d_a = (alpha * d_a + tl.where(w > 0, w * ((m_a - ma_new) - (zr - zr_new)), 0.0)
+                           + tl.sum(tl.where(live, e * (da - (zb - zr_new[:, None])), 0.0), axis=1))
                 zr = zr_new
             s_a = s_a * alpha + tl.sum(e, axis=1)
             m_a = ma_new
@@ -322,10 +336,11 @@ def _two_dz_kernel(
             # logit-sized numbers in its gradient.
             inner = cs - (zt - mt[:, None]) - r[:, None]
         else:
-            # lst is logs_s - logs_t here (distill.row_loss)
+            # lst is logs_s - logs_t and r_ptr's second row u at the student's argmax here (distill.row_loss)
             u = ((zt - mt[:, None]) - cs) + lst[:, None]
             d_s, _ = _mix_terms(u, log_beta, log_1mb, c0)
-            inner = d_s - r[:, None]
+            d_ref, _ = _mix_terms(tl.load(r_ptr + N + rows_in), log_beta, log_1mb, c0)
+            inner = (d_s - d_ref[:, None]) - r[:, None]
         gz = tl.where(ps > 0, ps * inner, 0.0) * scale
     gz = gz * g[:, None]
     if HAS_TEMP:
@@ -428,14 +443,15 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
     _two_fwd_kernel[grid](*args, None, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
-                          MODE=0, WEIGHT_S=kind == "rkl", HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
+                          MODE=0, WEIGHT_S=kind in ("rkl", "jsd"), HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
+                          HAS_REF=True,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
     m_s, s_s, m_t, s_t, ent, d_a, zr = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
     sc_s, sc_t = torch.exp(m_s - big_s), torch.exp(m_t - big_t)
     S_s, S_t = (s_s * sc_s).sum(0), (s_t * sc_t).sum(0)
-    w_s = kind == "rkl"
+    w_s = kind in ("rkl", "jsd")
     m_a, s_a, sc_a, S_a, big_a = (m_s, s_s, sc_s, S_s, big_s) if w_s else (m_t, s_t, sc_t, S_t, big_t)
     w = sc_a * s_a
     ent = (sc_a * ent + torch.where(w > 0, w * (m_a - big_a), 0.0)).sum(0)
@@ -448,11 +464,15 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
         return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, torch.log(S_b / S_a)
     part2 = new_buffer((2, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
-    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl]), part2, N, V, Ds, xt.shape[1],
+    u_ref = (zr_row - big_t) + dl  # log p_t - log p_s at the student's argmax, as the kernels form it per class
+    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, N, V, Ds,
+                          xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
+                          HAS_REF=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2.sum(1).unbind(0)
-    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, None, dl
+    # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly)
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, zr_row, -dl
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
