@@ -426,7 +426,7 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     f32 = dict(device=xs.device, dtype=torch.float32)
     if N == 0:
         e = torch.empty(0, **f32)
-        return (e, e, e, e, e, e) + ((e, e, None, e) if kind == "jsd" else (None, None, e, e))
+        return (e, e, e, e, e, e) + ((e, e) if kind == "jsd" else (None, None)) + (e, e)
     cfg = _config(xs)
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
