@@ -118,7 +118,7 @@ class RowStats(NamedTuple):
     cross-entropy), zr = z_b at a's argmax (the reference), da = E_a[(z_a - m_a) - (z_b - zr)], and
     dl = logs_b - logs_a formed as log(s_b / s_a). For the JSD, kt = KL(p_t || M) from the second pass and ks
     relative to the reference: sum_j p_s (d_j - d_ref), d = log p_s - log M and d_ref its value at the student's
-    argmax (None otherwise). Both of da's terms, and d - d_ref, are 0 at a's argmax: where p_a is nearly one-hot,
+    argmax (dref; None otherwise). Both of da's terms, and d - d_ref, are 0 at a's argmax: where p_a is nearly one-hot,
     the sums are the small terms of the other classes instead of differences of logit-sized numbers; and near
     agreement the two log-sums are ~log V each, whose own roundings (2.4e-7 at V = 100) would be most of a small
     divergence's error (docs/math.md)."""
@@ -133,6 +133,7 @@ class RowStats(NamedTuple):
     ks: torch.Tensor | None = None
     zr: torch.Tensor | None = None
     dl: torch.Tensor | None = None
+    dref: torch.Tensor | None = None
 
 
 def row_loss(kind: str, beta: float, st: RowStats):
@@ -150,8 +151,7 @@ def row_loss(kind: str, beta: float, st: RowStats):
     # R: (ks, u at the student's argmax); dz_student's row term is d - d_ref - ks, 0 at the argmax's own class
     # (a = the student: dl = logs_t - logs_s, so u = lt - ls takes -dl)
     u_ref = (st.zr - st.m_t) - st.dl
-    d_ref = _mix_terms(u_ref, beta)[0]
-    return beta * st.kt + (1.0 - beta) * (st.ks + d_ref), torch.stack([st.ks, u_ref]), st.m_t, -st.dl
+    return beta * st.kt + (1.0 - beta) * (st.ks + st.dref), torch.stack([st.ks, u_ref]), st.m_t, -st.dl
 
 
 def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: str, lead_shape) -> torch.Tensor:
@@ -287,7 +287,7 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
             ks += torch.where(ps > 0, ps * (d_s - d_ref[sl, None]), 0.0).sum(1)
         out["kt"][sl], out["ks"][sl] = kt, ks
     return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], None, None, out["kt"], out["ks"],
-                    zr=out["zr"], dl=out["dl"])
+                    zr=out["zr"], dl=out["dl"], dref=d_ref)
 
 
 def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, R, g, needs):

@@ -5,7 +5,8 @@ teacher's xt (N, Dt), wt (V, Dt), bt or None, all of one dtype (float32, bfloat1
 heads are z = softcap(x W^T + b) * inv_temp; `kind` is one of distill.KINDS.
 
     forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp)
-        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks, zr, dl), each (N,) float32 or None (distill.RowStats): pass 1,
+        -> (m_s, logs_s, m_t, logs_t, ea, da, kt, ks, zr, dl, dref), each (N,) float32 or None (distill.RowStats):
+           pass 1,
            one kernel, folds both heads' tiles into online log-sum-exps and the weighting head a's sums
            sum_j e_a (z_a - m_a) and sum_j e_a ((z_a - m_a) - (z_b - zr)), zr = z_b at a's argmax (moved as m_a
            grows); for the JSD, pass 2 (the same
@@ -221,6 +222,7 @@ def _two_fwd_kernel(
             col0 += BLOCK_V
         tl.store(out, kt, mask=row_ok)
         tl.store(out + n_splits * N, ks, mask=row_ok)
+        tl.store(out + 2 * n_splits * N, d_ref, mask=row_ok)
     else:
         # m starts finite so that (m_old - m_new) terms stay finite (times a zero sum) on the first tile.
         m_a = tl.full((BLOCK_N,), -1e30, tl.float32)
@@ -426,7 +428,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     f32 = dict(device=xs.device, dtype=torch.float32)
     if N == 0:
         e = torch.empty(0, **f32)
-        return (e, e, e, e, e, e) + ((e, e) if kind == "jsd" else (None, None)) + (e, e)
+        return (e, e, e, e, e, e) + ((e, e) if kind == "jsd" else (None, None)) + (e, e) + (
+            (e,) if kind == "jsd" else (None,))
     cfg = _config(xs)
     n_blocks = cdiv(N, cfg.block_n)
     n_vtiles = cdiv(V, cfg.block_v)
@@ -461,8 +464,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     logs_s, logs_t = torch.log(S_s), torch.log(S_t)
     if kind != "jsd":
         S_b = S_t if w_s else S_s
-        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, torch.log(S_b / S_a)
-    part2 = new_buffer((2, n_splits, N), **f32)
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, torch.log(S_b / S_a), None
+    part2 = new_buffer((3, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
     u_ref = (zr_row - big_t) + dl  # log p_t - log p_s at the student's argmax, as the kernels form it per class
     _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, N, V, Ds,
@@ -470,9 +473,10 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
                           HAS_REF=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
-    kt, ks = part2.sum(1).unbind(0)
-    # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly)
-    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, zr_row, -dl
+    kt, ks = part2[:2].sum(1).unbind(0)
+    # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly). d_ref: the
+    # kernel's own log p_s - log M at the student's argmax, which ks is relative to (every split wrote it).
+    return big_s, logs_s, big_t, logs_t, None, None, kt, ks, zr_row, -dl, part2[2, 0]
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
