@@ -309,17 +309,69 @@ def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy
 
 
 def one_class_logits(x, w, b, softcap, inv_temp):
-    """(N,) logits of a head with a single class (V = 1), through differentiable PyTorch ops. With one class the
-    softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0 (only the
-    z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
-    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. N values: nothing to chunk."""
-    acc = acc_dtype(x.dtype)
+    """(N,) float64 logits of a head with a single class (V = 1), differentiable with respect to x, w and b. With
+    one class the softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0
+    (only the z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. Every output is a function of
+    these N values, so the closed forms work in float64 and round once, to the output's or the gradient's dtype:
+    in float32 the weight and bias gradients are sums over the rows as rounded as PyTorch's own (and a temperature
+    multiplies by a rounded 1 / T where PyTorch divides), which a sum that cancels turns into 10x PyTorch's error
+    whenever PyTorch's rounding happens to be the luckier."""
     with torch.autocast(x.device.type, enabled=False):
-        z = x.to(acc) @ w[0].to(acc)
-        if b is not None:
-            z = z + b[0].to(acc)
-        z = apply_softcap(z, softcap)
+        z = _OneClassLinear.apply(x, w, b)
+        if softcap is not None:
+            z = _Softcap.apply(z, float(softcap))
         return z * inv_temp if inv_temp != 1.0 else z
+
+
+class _OneClassLinear(torch.autograd.Function):
+    """x W^T + b for W of one row, in float64 (a (N,) result), over chunks of rows (no float64 copy of x beyond
+    CHUNK_ELEMS elements); the backward's gradients are float64 sums, rounded once to the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        w64 = w[0].to(torch.float64)
+        z = torch.empty(x.shape[0], device=x.device, dtype=torch.float64)
+        for i0, i1 in chunks(x.shape[0], max(1, CHUNK_ELEMS // max(1, x.shape[1]))):
+            torch.mv(x[i0:i1].to(torch.float64), w64, out=z[i0:i1])
+        if b is not None:
+            z += b[0].to(torch.float64)
+        ctx.save_for_backward(x, w, b)
+        return z
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.to(torch.float64)
+        w64 = w[0].to(torch.float64)
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros(x.shape[1], device=x.device, dtype=torch.float64) if need_w else None
+        for i0, i1 in chunks(x.shape[0], max(1, CHUNK_ELEMS // max(1, x.shape[1]))):
+            if need_x:
+                dx[i0:i1] = g[i0:i1, None] * w64
+            if need_w:
+                dw.addmv_(x[i0:i1].to(torch.float64).T, g[i0:i1])
+        return (dx, None if dw is None else dw.to(w.dtype)[None, :],
+                g.sum().to(b.dtype).reshape(1) if b is not None and need_b else None)
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap tanh(z / softcap) with the slope of softcap_slope: 1 - tanh^2, the slope of torch.tanh's backward,
+    cancels where tanh saturates (and is exactly 0 past |u| ~ 19 in float64)."""
+
+    @staticmethod
+    def forward(ctx, z, softcap):
+        ctx.save_for_backward(z)
+        ctx.softcap = softcap
+        return softcap * torch.tanh(z / softcap)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return g * softcap_slope(z, ctx.softcap), None
 
 
 # ---------------------------------------------------------------------------------------------------------------
