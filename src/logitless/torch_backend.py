@@ -136,9 +136,9 @@ class _RowStats:
         self.sw = torch.zeros(n, **f32) if want_smooth else None
         # sum_j exp(z_j - m) (z_j - m), rescaled as m grows; gives the entropy without a second pass.
         self.ent = torch.zeros(n, **f32) if want_entropy else None
-        # With the entropy: sum_{j != t} exp(z_j - m), the mass outside the target summed without it (the backward's
+        # With a target: sum_{j != t} exp(z_j - m), the mass outside the target summed without it (the backward's
         # 1 - p_t, which s rounds away for a near-certain row; loss_math.head_coefficients).
-        self.rest = torch.zeros(n, **f32) if want_entropy and target is not None else None
+        self.rest = torch.zeros(n, **f32) if target is not None else None
 
     def update(self, z, v0, v1, class_w_c):
         """Folds the block z [rows, v1 - v0] in; z is used up (overwritten) unless it is a view of another tensor."""
@@ -211,8 +211,8 @@ def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
     """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (`block`
     (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m,
-    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu and rest (_RowStats) with
-    the entropy (rest: and a target)."""
+    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu (_RowStats) with the
+    entropy, rest with a target."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -221,7 +221,7 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     ref = torch.zeros(n, **f) if want_smooth else None
     ent = torch.zeros(n, **f) if want_entropy else None
     mu = torch.zeros(n, **f) if want_entropy else None
-    rest = torch.zeros(n, **f) if want_entropy and target is not None else None
+    rest = torch.zeros(n, **f) if target is not None else None
     rows, cols = block or _block(n, V, want_smooth or want_entropy, item=dtype.itemsize)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
@@ -245,8 +245,8 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
 
 def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
     """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits
-    softcap(x W^T + b) * inv_temp, and with the entropy the backward's mu and rest (loss_math.head_coefficients;
-    else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has
+    softcap(x W^T + b) * inv_temp, and the backward's mu (with the entropy) and rest (with a target)
+    (loss_math.head_coefficients; else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has
     m = logs = -inf."""
     n, V = x.shape[0], w.shape[0]
     acc = acc_dtype(x.dtype)
@@ -254,7 +254,7 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
         neg_inf = torch.full((n,), -math.inf, device=x.device, dtype=acc)
         zeros = (lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None)
         return (Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy)),
-                zeros(want_entropy), zeros(want_entropy and target is not None))
+                zeros(want_entropy), zeros(target is not None))
     chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
                                                 inv_temp)
     temporaries = want_smooth or want_entropy
@@ -639,12 +639,13 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
     # The reduction's factor per row, 0 where ignored (where(): 1 / 0 when every row is ignored must not reach them).
     r = valid.to(acc) if reduction == "sum" else torch.where(valid, 1.0 / w_t.sum(), 0.0)
     C = (r * w_t) * (1.0 - eps) if eps < 1.0 else None
-    A = C if eps == 0.0 else (r * ((eps / V) * w_sum) if C is None else C + r * ((eps / V) * w_sum))
+    A_s = r * ((eps / V) * w_sum) if eps > 0.0 else None  # A less C: the target column's own A (At)
+    A = C if A_s is None else (A_s if C is None else C + A_s)
     E = r * (eps / V) if eps > 0.0 else None
     inside = (target >= 0) & (target < V)
     idx = torch.where(inside, target, 0)
-    if C is not None:
-        C_neg = torch.where(inside, -C, 0.0)[:, None]
+    if E is not None:
+        E_t = E * (w_t if class_w is not None else 1.0)  # E w_t (w_t is 0 at an ignored row, and so is E)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
     zt = torch.empty(n, **f)
@@ -675,20 +676,38 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
         z.sub_(m_c[:, None])  # z - m, exact
         if sw is not None:
             sw[sl] = z.sum(dim=1) if class_w is None else z @ class_w
-        logs_c = torch.log(z.exp_().sum(dim=1))
+        z.exp_()
+        # S = rest + e_t, rest summed without the target (loss_math.head_coefficients): 1 - p_t = rest / S, which
+        # p_t - 1 loses for a near-certain row.
+        ins = inside[sl]
+        e_t = z.gather(1, ix)[:, 0]
+        z.scatter_(1, ix, torch.where(ins, 0.0, e_t)[:, None])
+        rest_c = z.sum(dim=1)
+        z.scatter_(1, ix, e_t[:, None])
+        logs_c = torch.log(rest_c + torch.where(ins, e_t, 0.0))
         logs[sl] = logs_c
+        inv_s = torch.exp(-logs_c)
         a_c = A[sl]
+        at_c = None if A_s is None else A_s[sl]
         if z_loss > 0.0:
-            a_c = a_c + r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+            zl = r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+            a_c = a_c + zl
+            at_c = zl if at_c is None else at_c + zl
         # p A = exp(z - m) (A / S) with 1 / S as exp(-logs), as in head_backward: the same rounding of dL/dz
-        z.mul_((a_c * torch.exp(-logs_c))[:, None])
+        z.mul_((a_c * inv_s)[:, None])
         if E is not None:
             if class_w is not None:
                 z.addcmul_(E[sl, None], class_w[None, :], value=-1.0)
             else:
                 z.sub_(E[sl, None])
         if C is not None:
-            z.scatter_add_(1, ix, C_neg[sl])
+            # The target's column: p_t At - (1 - p_t) C - E w_t, not p_t A - C (- E w_t), which cancels.
+            d_t = -(rest_c * inv_s).clamp_(0.0, 1.0) * C[sl]
+            if at_c is not None:
+                d_t = d_t + (e_t * inv_s) * at_c
+            if E is not None:
+                d_t = d_t - E_t[sl]
+            z.scatter_(1, ix, torch.where(ins, d_t, z.gather(1, ix)[:, 0])[:, None])
         if slope is not None:
             z.mul_(slope)
         if need_x:
