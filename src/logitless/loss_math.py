@@ -59,11 +59,12 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
     d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous.
 
     mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m), where the backend has them (mu: the entropy's
-    forward; rest: a forward with a target): mu then replaces logs - ent, which cancels for a near-uniform row
-    (both ~ log V, mu ~ 0), and with rest the target's column takes its own form, At not None: dL/dz_t = p_t (At + B (z_t - m)) - C - E w_t with
-    At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S, S = exp(logs)). The same
-    value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's float32 digits (and S = 1 + r
-    rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their difference was mostly rounding."""
+    forward; rest: a forward with a target): mu then replaces logs - ent, which cancels for a near-uniform row (both
+    ~ log V, mu ~ 0), and with rest the target's column takes its own form, At not None: dL/dz_t = p_t (At + B (z_t
+    - m)) - C - E w_t with At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S,
+    S = exp(logs)). The same value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's
+    float32 digits (and S = 1 + r rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their
+    difference was mostly rounding."""
     acc = logs.dtype
     A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
     B = C = E = At = None

@@ -244,10 +244,10 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
 
 
 def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
-    """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits
-    softcap(x W^T + b) * inv_temp, and the backward's mu (with the entropy) and rest (with a target)
-    (loss_math.head_coefficients; else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has
-    m = logs = -inf."""
+    """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits softcap(x W^T +
+    b) * inv_temp, and the backward's mu (with the entropy) and rest (with a target) (loss_math.head_coefficients;
+    else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has m = logs =
+    -inf."""
     n, V = x.shape[0], w.shape[0]
     acc = acc_dtype(x.dtype)
     if V == 0:

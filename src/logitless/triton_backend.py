@@ -41,13 +41,13 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
               skip_threshold, workspace_bytes, want_stash, stash_dx):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
-    backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in
-    which the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash
-    and there is room), and with a target (and no perm: _has_rest) the backward's (mu, rest)
-    (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j - m). For autograd the row max m is a constant offset
-    (every use of these statistics is invariant to shifting it), so its gradient is ignored and logs carries
-    d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold, workspace_bytes and stash_dx (the backward
-    computes the input's gradient) are for the backward."""
+    backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
+    the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash and
+    there is room), and with a target (and no perm: _has_rest) the backward's (mu, rest)
+    (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
+    m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
+    so its gradient is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold,
+    workspace_bytes and stash_dx (the backward computes the input's gradient) are for the backward."""
     lh = kernels()
     # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
     # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)

@@ -22,7 +22,7 @@ def _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B: tl.constex
         bc = tl.load(bc_ptr + rows_in)
         gt = tl.where(p > 0, p * (at[:, None] + bc[:, None] * zm), 0.0) - c[:, None]
     else:
-        gt = p * at[:, None] - c[:, None]  # one FMA: the select it replaces subtracted c there
+        gt = p * at[:, None] - c[:, None]  # one FMA (the other path: a select and a subtraction)
     return tl.where(is_t, gt, g)
 
 
