@@ -491,16 +491,17 @@ def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c, At2=None):
 # cross_entropy on given logits
 
 
-def _dz_logits_chunk(z, m_c, logs_c, A_c, C_c, E_c, X_c, t_c, v0, v1, class_w_c):
+def _dz_logits_chunk(z, m_c, logs_c, A_c, C_c, E_c, X_c, t_c, v0, v1, class_w_c, q_c):
     """dL/dz of cross-entropy for one block of given logits (loss_math.ce_backward_coef): p A - E w, and at the
-    target's column p_t X + (p_t - 1) C."""
+    target's column p_t X - q C with q = 1 - p_t from the forward's rest (loss_math.head_coefficients): p_t - 1
+    cancels for a near-certain row."""
     dz = torch.exp((z - m_c[:, None]) - logs_c[:, None]).mul_(A_c[:, None])
     if E_c is not None:
         dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
     inside = (t_c >= v0) & (t_c < v1)
     idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
     p_t = torch.exp((z.gather(1, idx)[:, 0] - m_c) - logs_c)
-    d_t = p_t * X_c + (p_t - 1.0) * C_c
+    d_t = p_t * X_c - q_c * C_c
     return dz.scatter_(1, idx, torch.where(inside, d_t, dz.gather(1, idx)[:, 0])[:, None])
 
 
@@ -514,12 +515,12 @@ class _CrossEntropy(torch.autograd.Function):
         n, V = logits.shape
         acc = acc_dtype(logits.dtype)
         chunk = lambda i0, i1, v0, v1: transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
-        m, logs, zt, sw, ref, *_ = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
-                                             label_smoothing > 0.0, False)
+        m, logs, zt, sw, ref, _, _, rest = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
+                                                      label_smoothing > 0.0, False)
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
         loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
         lse = m + logs
-        ctx.save_for_backward(logits, target, class_w, m, logs)
+        ctx.save_for_backward(logits, target, class_w, m, logs, rest)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.inplace = bool(inplace)
         ctx.mark_non_differentiable(lse)
@@ -533,11 +534,12 @@ class _CrossEntropy(torch.autograd.Function):
                 raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
                                    "logits by an earlier backward; it can run only once")
             ctx.consumed = True
-        logits, target, class_w, m, logs = ctx.saved_tensors
+        logits, target, class_w, m, logs, rest = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
         A, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        q = torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)  # 1 - p_t
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in chunks(n, token_chunk(V)):
             sl = slice(i0, i1)
@@ -545,7 +547,7 @@ class _CrossEntropy(torch.autograd.Function):
                 raw = logits[sl, v0:v1].to(m.dtype)
                 z = transform(raw, softcap, 1.0)
                 dz = _dz_logits_chunk(z, m[sl], logs[sl], A[sl], C[sl], None if E is None else E[sl], X[sl],
-                                      target[sl], v0, v1, None if class_w is None else class_w[v0:v1])
+                                      target[sl], v0, v1, None if class_w is None else class_w[v0:v1], q[sl])
                 grad[sl, v0:v1] = chain_transform(dz, raw, softcap, 1.0)
         return grad, None, None, None, None, None, None, None
 
