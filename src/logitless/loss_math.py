@@ -43,6 +43,15 @@ def default_workspace_bytes(n: int, V: int) -> int:
     return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
 
 
+def one_minus_pt(rest, logs):
+    """1 - p_t = rest / S (S = exp(logs)) per row, in [0, 1], as float64 resolves it: rest / S, then rounded the
+    way 1 - p_t is in float64 (p_t - 1 is exactly 0 there below 2^-54). Above ~1e-9 that rounding is below float32's;
+    below it, a row whose p_t is 1 in float64 gets the zero column of the float64 softmax gradient (whose other
+    columns then do not sum to 0) instead of -rest / S. An empty head (logs = -inf) has rest = 0: 0."""
+    q = torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)
+    return (1.0 - (1.0 - q.double())).to(q.dtype)
+
+
 class Stats(NamedTuple):
     """Per-row statistics of a head (see the module docstring); None where not asked for."""
 
@@ -82,7 +91,7 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
                 At = At + g_ent * ((logs - ent) if mu is None else mu)
             At = At.contiguous()
             # 1 - p_t in [0, 1]; an empty head (logs = -inf) has rest = 0 and no column.
-            C = (C * torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)).contiguous()
+            C = (C * one_minus_pt(rest, logs)).contiguous()
     if g_sw is not None:
         E = (-g_sw.to(acc)).contiguous()
     return A, B, C, E, At

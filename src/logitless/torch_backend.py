@@ -27,6 +27,7 @@ from .loss_math import (
     ce_row_terms,
     default_workspace_bytes,
     head_coefficients,
+    one_minus_pt,
     reduce_loss,
 )
 
@@ -539,7 +540,7 @@ class _CrossEntropy(torch.autograd.Function):
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
         A, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
-        q = torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)  # 1 - p_t
+        q = one_minus_pt(rest, logs)
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in chunks(n, token_chunk(V)):
             sl = slice(i0, i1)
@@ -704,7 +705,7 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
                 z.sub_(E[sl, None])
         if C is not None:
             # The target's column: p_t At - (1 - p_t) C - E w_t, not p_t A - C (- E w_t), which cancels.
-            d_t = -(rest_c * inv_s).clamp_(0.0, 1.0) * C[sl]
+            d_t = -one_minus_pt(rest_c, logs_c) * C[sl]
             if at_c is not None:
                 d_t = d_t + (e_t * inv_s) * at_c
             if E is not None:
