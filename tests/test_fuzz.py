@@ -428,6 +428,27 @@ REGRESSIONS = [
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
+    # ... and one class: the closed form dropped the cross-entropy's zero weighted by w_t, so its gradient was the
+    # z-loss term's +-inf where PyTorch's is w_t x inf = NaN
+    dict(_BASE, op="linear_cross_entropy", backend="triton", dtype="bfloat16", n=1, d=1, scale=1.0, seed=12940,
+         ignore_frac=0.0, reduction="mean", label_smoothing=0.1, z_loss=0.1, class_weight="with_zeros",
+         upstream="one"),
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", d=1, layout="transposed", scale=30.0,
+         seed=13505, reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
+    # one class, in float32: a cancelling sum over the rows (the bias gradient) rounded as PyTorch's own, with
+    # 1 / T rounded once more (7.4x PyTorch's error); now the closed form is float64, rounded once
+    dict(_BASE, op="linear_logsumexp", backend="torch", dtype="float32", n=33, lead="3d", layout="transposed",
+         seed=35834, softcap=30.0, ignore_frac=None, temperature=3.0),
+    # ... and the z-loss of a logit that cancels in its dot product (13.7x)
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=3, d=32, lead="3d",
+         layout="transposed", scale=1.0, seed=3026, softcap=5.0, ignore_frac=0.0, upstream="one", z_loss=0.1),
+    # one class, float64, a softcap saturated past float64's tanh: torch.tanh's slope was exactly 0
+    dict(_BASE, op="linear_logsumexp", backend="torch", dtype="float64", n=1, d=1, scale=30.0, seed=0, softcap=0.5,
+         ignore_frac=None, upstream="one", temperature=1.0, bias=False),
+    # the target's column at p_t = 0.9956: (p_t - 1) C cancelled (13.6x PyTorch's error); now 1 - p_t = rest / S
+    dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, v=2, lead="3d", layout="transposed",
+         seed=7886, ignore_frac=0.0, ignore_index=0, int32=True, reduction="none", label_smoothing=0.1, z_loss=1e-4,
+         class_weight="with_zeros"),
 ]
 
 

@@ -125,11 +125,17 @@ def linear_cross_entropy(
     class_w = None if weight is None else weight.to(torch_backend.acc_dtype(args.x.dtype))
     if V == 1:
         # One class: lse = z, so the cross-entropy and the smoothing are exactly 0 and the z-loss is z^2; a closed
-        # form gives PyTorch's exact zeros (torch_backend.one_class_logits), on either backend.
+        # form gives PyTorch's exact zeros (torch_backend.one_class_logits, float64), on either backend. Those zeros
+        # are weighted by w_t, as PyTorch's are, so their gradient is w_t times the upstream one: 0, or NaN where a
+        # "mean" over class weights that sum to 0 makes the upstream gradient infinite (PyTorch's NaN, not the
+        # z-loss term's inf alone). z - z is that zero with that gradient.
         z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0)
         valid, w_t, _ = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
-        return loss_math.reduce_loss(torch.where(valid, z * z * float(z_loss), 0.0), valid, w_t, reduction,
-                                     args.lead_shape)
+        per_token = w_t * (z - z)
+        if z_loss > 0.0:
+            per_token = per_token + float(z_loss) * z * z
+        loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, args.lead_shape)
+        return loss.to(torch_backend.acc_dtype(args.x.dtype))
     if chosen == "torch":
         # Training with a reduced loss: the gradients in the forward, three products instead of four.
         rows = torch_backend.fused_rows(args.x, args.weight, args.bias, softcap, reduction)

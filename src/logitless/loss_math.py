@@ -43,6 +43,15 @@ def default_workspace_bytes(n: int, V: int) -> int:
     return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
 
 
+def one_minus_pt(rest, logs):
+    """1 - p_t = rest / S (S = exp(logs)) per row, in [0, 1], as float64 resolves it: rest / S, then rounded the
+    way 1 - p_t is in float64 (p_t - 1 is exactly 0 there below 2^-54). Above ~1e-9 that rounding is below float32's;
+    below it, a row whose p_t is 1 in float64 gets the zero column of the float64 softmax gradient (whose other
+    columns then do not sum to 0) instead of -rest / S. An empty head (logs = -inf) has rest = 0: 0."""
+    q = torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)
+    return (1.0 - (1.0 - q.double())).to(q.dtype)
+
+
 class Stats(NamedTuple):
     """Per-row statistics of a head (see the module docstring); None where not asked for."""
 
@@ -58,12 +67,13 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
     the statistics (None where a statistic has none): d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t],
     d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous.
 
-    mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m), where the backend has them (the entropy's
-    forward): mu then replaces logs - ent, which cancels for a near-uniform row (both ~ log V, mu ~ 0), and the
-    target's column takes its own form, At not None: dL/dz_t = p_t (At + B (z_t - m)) - C - E w_t with
-    At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S, S = exp(logs)). The same
-    value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's float32 digits (and S = 1 + r
-    rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their difference was mostly rounding."""
+    mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m), where the backend has them (mu: the entropy's
+    forward; rest: a forward with a target): mu then replaces logs - ent, which cancels for a near-uniform row (both
+    ~ log V, mu ~ 0), and with rest the target's column takes its own form, At not None: dL/dz_t = p_t (At + B (z_t
+    - m)) - C - E w_t with At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S,
+    S = exp(logs)). The same value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's
+    float32 digits (and S = 1 + r rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their
+    difference was mostly rounding."""
     acc = logs.dtype
     A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
     B = C = E = At = None
@@ -81,7 +91,7 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
                 At = At + g_ent * ((logs - ent) if mu is None else mu)
             At = At.contiguous()
             # 1 - p_t in [0, 1]; an empty head (logs = -inf) has rest = 0 and no column.
-            C = (C * torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)).contiguous()
+            C = (C * one_minus_pt(rest, logs)).contiguous()
     if g_sw is not None:
         E = (-g_sw.to(acc)).contiguous()
     return A, B, C, E, At

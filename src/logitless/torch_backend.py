@@ -27,6 +27,7 @@ from .loss_math import (
     ce_row_terms,
     default_workspace_bytes,
     head_coefficients,
+    one_minus_pt,
     reduce_loss,
 )
 
@@ -136,9 +137,9 @@ class _RowStats:
         self.sw = torch.zeros(n, **f32) if want_smooth else None
         # sum_j exp(z_j - m) (z_j - m), rescaled as m grows; gives the entropy without a second pass.
         self.ent = torch.zeros(n, **f32) if want_entropy else None
-        # With the entropy: sum_{j != t} exp(z_j - m), the mass outside the target summed without it (the backward's
+        # With a target: sum_{j != t} exp(z_j - m), the mass outside the target summed without it (the backward's
         # 1 - p_t, which s rounds away for a near-certain row; loss_math.head_coefficients).
-        self.rest = torch.zeros(n, **f32) if want_entropy and target is not None else None
+        self.rest = torch.zeros(n, **f32) if target is not None else None
 
     def update(self, z, v0, v1, class_w_c):
         """Folds the block z [rows, v1 - v0] in; z is used up (overwritten) unless it is a view of another tensor."""
@@ -211,8 +212,8 @@ def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
     """Run the online statistics over all (token chunk, vocab chunk) blocks of chunk_fn(i0, i1, v0, v1) (`block`
     (rows, cols), by default _block's: all tokens at once where the budget allows). Returns per-row tensors (m,
-    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu and rest (_RowStats) with
-    the entropy (rest: and a target)."""
+    logs, zt, sw, ref, ent, mu, rest), sw relative to ref (the first block's row max), mu (_RowStats) with the
+    entropy, rest with a target."""
     f = dict(device=device, dtype=dtype)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
@@ -221,7 +222,7 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
     ref = torch.zeros(n, **f) if want_smooth else None
     ent = torch.zeros(n, **f) if want_entropy else None
     mu = torch.zeros(n, **f) if want_entropy else None
-    rest = torch.zeros(n, **f) if want_entropy and target is not None else None
+    rest = torch.zeros(n, **f) if target is not None else None
     rows, cols = block or _block(n, V, want_smooth or want_entropy, item=dtype.itemsize)
     for i0, i1 in chunks(n, rows):
         t_c = target[i0:i1] if target is not None else None
@@ -244,17 +245,17 @@ def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want
 
 
 def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
-    """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits
-    softcap(x W^T + b) * inv_temp, and with the entropy the backward's mu and rest (loss_math.head_coefficients;
-    else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has
-    m = logs = -inf."""
+    """(Stats, mu, rest): the head op's statistics (loss_math.Stats; sw relative to m) of the logits softcap(x W^T +
+    b) * inv_temp, and the backward's mu (with the entropy) and rest (with a target) (loss_math.head_coefficients;
+    else None). A target outside [0, V) has zt = 0; a head of no classes (an empty vocabulary shard) has m = logs =
+    -inf."""
     n, V = x.shape[0], w.shape[0]
     acc = acc_dtype(x.dtype)
     if V == 0:
         neg_inf = torch.full((n,), -math.inf, device=x.device, dtype=acc)
         zeros = (lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None)
         return (Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy)),
-                zeros(want_entropy), zeros(want_entropy and target is not None))
+                zeros(want_entropy), zeros(target is not None))
     chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
                                                 inv_temp)
     temporaries = want_smooth or want_entropy
@@ -309,17 +310,69 @@ def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy
 
 
 def one_class_logits(x, w, b, softcap, inv_temp):
-    """(N,) logits of a head with a single class (V = 1), through differentiable PyTorch ops. With one class the
-    softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0 (only the
-    z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
-    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. N values: nothing to chunk."""
-    acc = acc_dtype(x.dtype)
+    """(N,) float64 logits of a head with a single class (V = 1), differentiable with respect to x, w and b. With
+    one class the softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0
+    (only the z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. Every output is a function of
+    these N values, so the closed forms work in float64 and round once, to the output's or the gradient's dtype:
+    in float32 the weight and bias gradients are sums over the rows as rounded as PyTorch's own (and a temperature
+    multiplies by a rounded 1 / T where PyTorch divides), which a sum that cancels turns into 10x PyTorch's error
+    whenever PyTorch's rounding happens to be the luckier."""
     with torch.autocast(x.device.type, enabled=False):
-        z = x.to(acc) @ w[0].to(acc)
-        if b is not None:
-            z = z + b[0].to(acc)
-        z = apply_softcap(z, softcap)
+        z = _OneClassLinear.apply(x, w, b)
+        if softcap is not None:
+            z = _Softcap.apply(z, float(softcap))
         return z * inv_temp if inv_temp != 1.0 else z
+
+
+class _OneClassLinear(torch.autograd.Function):
+    """x W^T + b for W of one row, in float64 (a (N,) result), over chunks of rows (no float64 copy of x beyond
+    CHUNK_ELEMS elements); the backward's gradients are float64 sums, rounded once to the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        w64 = w[0].to(torch.float64)
+        z = torch.empty(x.shape[0], device=x.device, dtype=torch.float64)
+        for i0, i1 in chunks(x.shape[0], max(1, CHUNK_ELEMS // max(1, x.shape[1]))):
+            torch.mv(x[i0:i1].to(torch.float64), w64, out=z[i0:i1])
+        if b is not None:
+            z += b[0].to(torch.float64)
+        ctx.save_for_backward(x, w, b)
+        return z
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.to(torch.float64)
+        w64 = w[0].to(torch.float64)
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros(x.shape[1], device=x.device, dtype=torch.float64) if need_w else None
+        for i0, i1 in chunks(x.shape[0], max(1, CHUNK_ELEMS // max(1, x.shape[1]))):
+            if need_x:
+                dx[i0:i1] = g[i0:i1, None] * w64
+            if need_w:
+                dw.addmv_(x[i0:i1].to(torch.float64).T, g[i0:i1])
+        return (dx, None if dw is None else dw.to(w.dtype)[None, :],
+                g.sum().to(b.dtype).reshape(1) if b is not None and need_b else None)
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap tanh(z / softcap) with the slope of softcap_slope: 1 - tanh^2, the slope of torch.tanh's backward,
+    cancels where tanh saturates (and is exactly 0 past |u| ~ 19 in float64)."""
+
+    @staticmethod
+    def forward(ctx, z, softcap):
+        ctx.save_for_backward(z)
+        ctx.softcap = softcap
+        return softcap * torch.tanh(z / softcap)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return g * softcap_slope(z, ctx.softcap), None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,16 +492,17 @@ def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c, At2=None):
 # cross_entropy on given logits
 
 
-def _dz_logits_chunk(z, m_c, logs_c, A_c, C_c, E_c, X_c, t_c, v0, v1, class_w_c):
+def _dz_logits_chunk(z, m_c, logs_c, A_c, C_c, E_c, X_c, t_c, v0, v1, class_w_c, q_c):
     """dL/dz of cross-entropy for one block of given logits (loss_math.ce_backward_coef): p A - E w, and at the
-    target's column p_t X + (p_t - 1) C."""
+    target's column p_t X - q C with q = 1 - p_t from the forward's rest (loss_math.head_coefficients): p_t - 1
+    cancels for a near-certain row."""
     dz = torch.exp((z - m_c[:, None]) - logs_c[:, None]).mul_(A_c[:, None])
     if E_c is not None:
         dz -= E_c[:, None] * (class_w_c[None, :] if class_w_c is not None else 1.0)
     inside = (t_c >= v0) & (t_c < v1)
     idx = (t_c - v0).clamp(0, v1 - v0 - 1)[:, None]
     p_t = torch.exp((z.gather(1, idx)[:, 0] - m_c) - logs_c)
-    d_t = p_t * X_c + (p_t - 1.0) * C_c
+    d_t = p_t * X_c - q_c * C_c
     return dz.scatter_(1, idx, torch.where(inside, d_t, dz.gather(1, idx)[:, 0])[:, None])
 
 
@@ -462,12 +516,12 @@ class _CrossEntropy(torch.autograd.Function):
         n, V = logits.shape
         acc = acc_dtype(logits.dtype)
         chunk = lambda i0, i1, v0, v1: transform(logits[i0:i1, v0:v1].to(acc), softcap, 1.0)
-        m, logs, zt, sw, ref, *_ = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
-                                             label_smoothing > 0.0, False)
+        m, logs, zt, sw, ref, _, _, rest = _row_stats(chunk, n, V, logits.device, acc, target, class_w,
+                                                      label_smoothing > 0.0, False)
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
         loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
         lse = m + logs
-        ctx.save_for_backward(logits, target, class_w, m, logs)
+        ctx.save_for_backward(logits, target, class_w, m, logs, rest)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.inplace = bool(inplace)
         ctx.mark_non_differentiable(lse)
@@ -481,11 +535,12 @@ class _CrossEntropy(torch.autograd.Function):
                 raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
                                    "logits by an earlier backward; it can run only once")
             ctx.consumed = True
-        logits, target, class_w, m, logs = ctx.saved_tensors
+        logits, target, class_w, m, logs, rest = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
         A, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
+        q = one_minus_pt(rest, logs)
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in chunks(n, token_chunk(V)):
             sl = slice(i0, i1)
@@ -493,7 +548,7 @@ class _CrossEntropy(torch.autograd.Function):
                 raw = logits[sl, v0:v1].to(m.dtype)
                 z = transform(raw, softcap, 1.0)
                 dz = _dz_logits_chunk(z, m[sl], logs[sl], A[sl], C[sl], None if E is None else E[sl], X[sl],
-                                      target[sl], v0, v1, None if class_w is None else class_w[v0:v1])
+                                      target[sl], v0, v1, None if class_w is None else class_w[v0:v1], q[sl])
                 grad[sl, v0:v1] = chain_transform(dz, raw, softcap, 1.0)
         return grad, None, None, None, None, None, None, None
 
@@ -587,12 +642,13 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
     # The reduction's factor per row, 0 where ignored (where(): 1 / 0 when every row is ignored must not reach them).
     r = valid.to(acc) if reduction == "sum" else torch.where(valid, 1.0 / w_t.sum(), 0.0)
     C = (r * w_t) * (1.0 - eps) if eps < 1.0 else None
-    A = C if eps == 0.0 else (r * ((eps / V) * w_sum) if C is None else C + r * ((eps / V) * w_sum))
+    A_s = r * ((eps / V) * w_sum) if eps > 0.0 else None  # A less C: the target column's own A (At)
+    A = C if A_s is None else (A_s if C is None else C + A_s)
     E = r * (eps / V) if eps > 0.0 else None
     inside = (target >= 0) & (target < V)
     idx = torch.where(inside, target, 0)
-    if C is not None:
-        C_neg = torch.where(inside, -C, 0.0)[:, None]
+    if E is not None:
+        E_t = E * (w_t if class_w is not None else 1.0)  # E w_t (w_t is 0 at an ignored row, and so is E)
     m = torch.empty(n, **f)
     logs = torch.empty(n, **f)
     zt = torch.empty(n, **f)
@@ -623,20 +679,38 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
         z.sub_(m_c[:, None])  # z - m, exact
         if sw is not None:
             sw[sl] = z.sum(dim=1) if class_w is None else z @ class_w
-        logs_c = torch.log(z.exp_().sum(dim=1))
+        z.exp_()
+        # S = rest + e_t, rest summed without the target (loss_math.head_coefficients): 1 - p_t = rest / S, which
+        # p_t - 1 loses for a near-certain row.
+        ins = inside[sl]
+        e_t = z.gather(1, ix)[:, 0]
+        z.scatter_(1, ix, torch.where(ins, 0.0, e_t)[:, None])
+        rest_c = z.sum(dim=1)
+        z.scatter_(1, ix, e_t[:, None])
+        logs_c = torch.log(rest_c + torch.where(ins, e_t, 0.0))
         logs[sl] = logs_c
+        inv_s = torch.exp(-logs_c)
         a_c = A[sl]
+        at_c = None if A_s is None else A_s[sl]
         if z_loss > 0.0:
-            a_c = a_c + r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+            zl = r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+            a_c = a_c + zl
+            at_c = zl if at_c is None else at_c + zl
         # p A = exp(z - m) (A / S) with 1 / S as exp(-logs), as in head_backward: the same rounding of dL/dz
-        z.mul_((a_c * torch.exp(-logs_c))[:, None])
+        z.mul_((a_c * inv_s)[:, None])
         if E is not None:
             if class_w is not None:
                 z.addcmul_(E[sl, None], class_w[None, :], value=-1.0)
             else:
                 z.sub_(E[sl, None])
         if C is not None:
-            z.scatter_add_(1, ix, C_neg[sl])
+            # The target's column: p_t At - (1 - p_t) C - E w_t, not p_t A - C (- E w_t), which cancels.
+            d_t = -one_minus_pt(rest_c, logs_c) * C[sl]
+            if at_c is not None:
+                d_t = d_t + (e_t * inv_s) * at_c
+            if E is not None:
+                d_t = d_t - E_t[sl]
+            z.scatter_(1, ix, torch.where(ins, d_t, z.gather(1, ix)[:, 0])[:, None])
         if slope is not None:
             z.mul_(slope)
         if need_x:

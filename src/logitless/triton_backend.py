@@ -27,6 +27,12 @@ _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
+def _has_rest(target, perm) -> bool:
+    """Whether the forward sums rest = sum_{j != t} exp(z_j - m) for the backward's 1 - p_t (with a target; not
+    with a vocabulary order, whose kernels would find the target's column by a compare in every tile)."""
+    return target is not None and perm is None
+
+
 def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
     return kernels().stash_layout(x, weight, stash_dx, workspace_bytes) if want_stash else None
 
@@ -35,13 +41,13 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
               skip_threshold, workspace_bytes, want_stash, stash_dx):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
-    backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in
-    which the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash
-    and there is room), and with the entropy and a target the backward's (mu, rest) (loss_math.head_coefficients;
-    else empty). lse = m + logs and sw = sum_j w_j (z_j - m). For autograd the row max m is a constant offset
-    (every use of these statistics is invariant to shifting it), so its gradient is ignored and logs carries
-    d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold, workspace_bytes and stash_dx (the backward
-    computes the input's gradient) are for the backward."""
+    backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
+    the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash and
+    there is room), and with a target (and no perm: _has_rest) the backward's (mu, rest)
+    (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
+    m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
+    so its gradient is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold,
+    workspace_bytes and stash_dx (the backward computes the input's gradient) are for the backward."""
     lh = kernels()
     # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
     # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)
@@ -51,7 +57,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     stash = lh._new(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
     extra = {} if stash is None else {"stash": (stash, layout)}
     mu_rest = None
-    if want_entropy and target is not None:
+    if _has_rest(target, perm):
         mu_rest = extra["mu_rest"] = lh._new((2, x.shape[0]), device=x.device, dtype=torch.float32)
     stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
@@ -68,7 +74,7 @@ def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, wan
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
-    n_mu = x.shape[0] if want_entropy and target is not None else 0
+    n_mu = x.shape[0] if _has_rest(target, perm) else 0
     return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash,
             x.new_empty(n_mu, dtype=torch.float32), x.new_empty(n_mu, dtype=torch.float32))
 
@@ -134,10 +140,10 @@ def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
      ws, _want_stash, _stash_dx) = inputs
     m, logs, _, _, ent, tiles, stash, mu, rest = output
-    has_mu = want_entropy and target is not None
+    has_rest = _has_rest(target, perm)
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
-                          tiles if want_tiles and x.shape[0] != 0 else None, mu if has_mu else None,
-                          rest if has_mu else None)
+                          tiles if want_tiles and x.shape[0] != 0 else None, mu if has_rest and want_entropy else None,
+                          rest if has_rest else None)
     ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws)
     # The stash is not a saved tensor: the backward writes dW over it (a saved tensor's version check would fail)
     # and hands it on as the weight's gradient after dropping this reference, so that AccumulateGrad takes it over

@@ -20,10 +20,9 @@ def _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B: tl.constex
     at = tl.load(at_ptr + rows_in)
     if HAS_B:
         bc = tl.load(bc_ptr + rows_in)
-        gt = p * (at[:, None] + bc[:, None] * zm)
+        gt = tl.where(p > 0, p * (at[:, None] + bc[:, None] * zm), 0.0) - c[:, None]
     else:
-        gt = p * at[:, None]
-    gt = tl.where(p > 0, gt, 0.0) - c[:, None]
+        gt = p * at[:, None] - c[:, None]  # one FMA (the other path: a select and a subtraction)
     return tl.where(is_t, gt, g)
 
 

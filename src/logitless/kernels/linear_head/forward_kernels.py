@@ -207,8 +207,8 @@ def _combine_kernel(
     HAS_TARGET: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_REST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # With HAS_REST (the entropy's backward: mu_out and rest_out given), also mu = sum_j p_j (z_j - m) and
-    # rest = sum_{j != t} exp(z_j - m) (loss_math.head_coefficients).
+    # With HAS_REST (rest_out given), also rest = sum_{j != t} exp(z_j - m), and with the entropy
+    # mu = sum_j p_j (z_j - m) (loss_math.head_coefficients).
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
     big_m = tl.full((BLOCK,), -1e30, tl.float32)
@@ -242,10 +242,11 @@ def _combine_kernel(
     tl.store(logs_out + rows, log_s, mask=ok)
     tl.store(zt_out + rows, zt, mask=ok)
     tl.store(sw_out + rows, sw, mask=ok)
+    if HAS_REST:
+        tl.store(rest_out + rows, rest, mask=ok)
     if HAS_ENTROPY:
         mu = ent / big_s
         if HAS_REST:
             tl.store(mu_out + rows, mu, mask=ok)
-            tl.store(rest_out + rows, rest, mask=ok)
         ent = log_s - mu
     tl.store(ent_out + rows, ent, mask=ok)

@@ -15,8 +15,9 @@ from .forward_kernels import _combine_kernel, _fwd_kernel
 def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
                   tile_lse=None, stash=None, mu_rest=None):
     """Per-row (m, logs, zt, sw, ent) float32 of the head (and tile_lse filled when given); see the package
-    docstring. mu_rest: None, or a (2, N) float32 buffer (with want_entropy and a target) filled with the entropy
-    backward's mu = sum_j p_j (z_j - m) and rest = sum_{j != t} exp(z_j - m) (loss_math.head_coefficients).
+    docstring. mu_rest: None, or a (2, N) float32 buffer (with a target and no perm) filled with the backward's
+    mu = sum_j p_j (z_j - m) (with want_entropy; else left as it is) and rest = sum_{j != t} exp(z_j - m)
+    (loss_math.head_coefficients).
     stash: None, or (buffer, layout), a (V, D) tensor of W's dtype that will be the weight's gradient
     and its stash_layout: the logits of the layout's classes are kept there for backward(stash=buffer)."""
     N, D = x.shape
@@ -36,7 +37,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     n_splits = n_big + n_small
     has_target = target is not None
     has_rest = mu_rest is not None
-    assert not has_rest or (has_target and want_entropy and mu_rest.shape == (2, N))
+    assert not has_rest or (has_target and perm is None and mu_rest.shape == (2, N))
     # Absent operands are None: Triton makes such an argument a constexpr, and the kernel's flag for it keeps the
     # code that would read it out.
     # Partial statistics per split: m and s always, the others only where asked for.
@@ -73,7 +74,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     block = 256 if x.device.type == "cuda" else 32
     _combine_kernel[(cdiv(N, block),)](
         part[0], part[1], part[2], part[3], part[4], wsum, part[5],
-        outs[0], outs[1], outs[2], outs[3], outs[4], mu_rest[0] if has_rest else None,
+        outs[0], outs[1], outs[2], outs[3], outs[4], mu_rest[0] if has_rest and want_entropy else None,
         mu_rest[1] if has_rest else None,
         N, n_splits,
         HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), HAS_REST=has_rest,
