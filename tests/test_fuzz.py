@@ -158,6 +158,8 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None, form="sum"):
         return t.to(src_dtype).to(dtype)
 
     op, be = case["op"], case["backend"]
+    # The float64 truth: softmax gradients formed pairwise, accurate also at near-certain rows (CONTRIBUTING.md)
+    truth = dtype == torch.float64 and not ours
     g = torch.Generator().manual_seed(case["seed"] + 1)
     lead3 = case["lead"] == "3d" and case["n"] % 2 == 0 and case["n"] > 0
 
@@ -182,7 +184,7 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None, form="sum"):
                 z = z.clone()  # the gradient overwrites this copy; the leaf keeps the logits
             out = cross_entropy(z, target, inplace_backward=case["inplace"], backend=be, **kw)
         else:
-            out = testing.naive_cross_entropy(z, target, upcast=False, **kw)
+            out = testing.naive_cross_entropy(z, target, upcast=False, pairwise_grad=truth, **kw)
     else:
         lx, vx = _layout(cast(inp["x"]), case["layout"], inp["gen"].manual_seed(7))
         lw, vw = _layout(cast(inp["w"]), case["w_layout"], inp["gen"].manual_seed(8))
@@ -208,7 +210,7 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None, form="sum"):
                       reduction=case["reduction"], softcap=case["softcap"])
             if not ours:  # the float64 truth's gradient formed pairwise (accurate at saturated rows)
                 out = testing.naive_two_heads(x, w, xt, wt, kind=kind, beta=beta, student_bias=b, teacher_bias=bt,
-                                              upcast=False, pairwise_grad=dtype == torch.float64, form=form,
+                                              upcast=False, pairwise_grad=truth, form=form,
                                               **kw)
             elif kind == "ce":
                 out = linear_soft_cross_entropy(x, w, xt, wt, linear_bias=b, target_bias=bt, backend=be, **kw)
@@ -223,12 +225,12 @@ def _run(case, inp, dtype, ours: bool, src_dtype=None, form="sum"):
             kw = dict(weight=cw, reduction=case["reduction"], ignore_index=case["ignore_index"],
                       label_smoothing=case["label_smoothing"], z_loss=case["z_loss"], **args)
             out = (linear_cross_entropy(x, w, target, backend=be, **kw) if ours
-                   else testing.naive_linear_cross_entropy(x, w, target, upcast=False, **kw))
+                   else testing.naive_linear_cross_entropy(x, w, target, upcast=False, pairwise_grad=truth, **kw))
         elif op == "linear_log_probs":
             kw = dict(temperature=case["temperature"], ignore_index=case["ignore_index"],
                       return_entropy=case["return_entropy"], **args)
             out = (linear_log_probs(x, w, target, backend=be, **kw) if ours
-                   else testing.naive_linear_log_probs(x, w, target, upcast=False, **kw))
+                   else testing.naive_linear_log_probs(x, w, target, upcast=False, pairwise_grad=truth, **kw))
             if case["return_entropy"]:
                 out = torch.stack(out)
         else:

@@ -44,12 +44,9 @@ def default_workspace_bytes(n: int, V: int) -> int:
 
 
 def one_minus_pt(rest, logs):
-    """1 - p_t = rest / S (S = exp(logs)) per row, in [0, 1], as float64 resolves it: rest / S, then rounded the
-    way 1 - p_t is in float64 (p_t - 1 is exactly 0 there below 2^-54). Above ~1e-9 that rounding is below float32's;
-    below it, a row whose p_t is 1 in float64 gets the zero column of the float64 softmax gradient (whose other
-    columns then do not sum to 0) instead of -rest / S. An empty head (logs = -inf) has rest = 0: 0."""
-    q = torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)
-    return (1.0 - (1.0 - q.double())).to(q.dtype)
+    """1 - p_t = rest / S (S = exp(logs)) per row, in [0, 1], without the cancellation of 1 - p_t: at a near-certain
+    row it is the small sum of the other classes' mass. An empty head (logs = -inf) has rest = 0: 0."""
+    return torch.nan_to_num(rest * torch.exp(-logs), nan=0.0).clamp_(0.0, 1.0)
 
 
 class Stats(NamedTuple):

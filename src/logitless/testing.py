@@ -43,16 +43,49 @@ def _upcast(z: torch.Tensor, upcast: bool) -> torch.Tensor:
     return z.float() if upcast and z.dtype in (torch.bfloat16, torch.float16) else z
 
 
+class _PairwiseLogSoftmax(torch.autograd.Function):
+    """log_softmax over the last dimension whose backward forms g_j - p_j sum_k g_k pairwise, as
+    sum_k (g_j p_k - p_j g_k) (sum_k p_k = 1): at a near-certain row the target's p_t - 1 is then -sum_{k != t} p_k
+    instead of the rounding of p_t - 1 (0 in float64 below 1e-16, where the other columns are not). O(N V^2): the
+    float64 truth of the tests, at test sizes."""
+
+    @staticmethod
+    def forward(ctx, z):
+        out = torch.log_softmax(z, dim=-1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        p = ctx.saved_tensors[0].exp()
+        pairs = g[..., :, None] * p[..., None, :] - p[..., :, None] * g[..., None, :]
+        return pairs.sum(-1)
+
+
+def _log_softmax(z, pairwise: bool):
+    return _PairwiseLogSoftmax.apply(z) if pairwise else torch.log_softmax(z, dim=-1)
+
+
 def naive_cross_entropy(logits, target, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-                        z_loss=0.0, softcap=None, upcast=True):
-    """F.cross_entropy plus the z-loss on the (softcapped) logits."""
+                        z_loss=0.0, softcap=None, upcast=True, pairwise_grad=False):
+    """F.cross_entropy plus the z-loss on the (softcapped) logits. pairwise_grad: the same value through
+    _PairwiseLogSoftmax, F.cross_entropy's terms written out (nll of the log-softmax plus label_smoothing / V times
+    the weighted sum of all of it): the float64 truth of the tests, accurate also at near-certain rows."""
     logits = _softcap(_upcast(logits, upcast), softcap)
     V = logits.shape[-1]
     z = logits.reshape(-1, V)
     t = target.reshape(-1).long()
     w = None if weight is None else weight.to(z.dtype)
-    per = F.cross_entropy(z, t, weight=w, reduction="none", ignore_index=ignore_index,
-                          label_smoothing=label_smoothing)
+    if pairwise_grad:
+        ls = _log_softmax(z, True)
+        per = F.nll_loss(ls, t, weight=w, reduction="none", ignore_index=ignore_index)
+        if label_smoothing > 0.0:
+            smooth = -(ls * (w if w is not None else 1.0)).sum(-1)
+            smooth = torch.where(t != ignore_index, smooth, torch.zeros_like(smooth))
+            per = (1.0 - label_smoothing) * per + label_smoothing / V * smooth
+    else:
+        per = F.cross_entropy(z, t, weight=w, reduction="none", ignore_index=ignore_index,
+                              label_smoothing=label_smoothing)
     valid = t != ignore_index
     if z_loss > 0.0:
         lse = torch.logsumexp(z, dim=-1)
@@ -67,16 +100,18 @@ def naive_cross_entropy(logits, target, *, weight=None, reduction="mean", ignore
 
 
 def naive_linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
-                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, upcast=True):
+                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, upcast=True,
+                               pairwise_grad=False):
     z = F.linear(input, linear_weight, linear_bias)
     return naive_cross_entropy(z, target, weight=weight, reduction=reduction, ignore_index=ignore_index,
-                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, upcast=upcast)
+                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, upcast=upcast,
+                               pairwise_grad=pairwise_grad)
 
 
 def naive_linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
-                           ignore_index=-100, return_entropy=False, upcast=True):
+                           ignore_index=-100, return_entropy=False, upcast=True, pairwise_grad=False):
     z = _softcap(_upcast(F.linear(input, linear_weight, linear_bias), upcast), softcap)
-    logp_all = torch.log_softmax(z / temperature, dim=-1)
+    logp_all = _log_softmax(z / temperature, pairwise_grad)
     valid = target != ignore_index
     safe_t = torch.where(valid, target, torch.zeros_like(target)).long()
     logp = logp_all.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
