@@ -255,6 +255,12 @@ def _rule(name, ours, theirs, truth, extra=0.0, torch_floor=0.0):
         keep = ~inf
         ours, theirs, truth = o64[keep], torch.where(torch.isinf(p64), torch.nan, p64)[keep], t64[keep]
     e_ours, e_torch = rel_err(ours, truth), max(rel_err(theirs, truth), torch_floor)
+    if truth.dtype == torch.float64 and ours.dtype == torch.float64:
+        # In float64 PyTorch's composition is the truth itself (error 0): within float64's own rounding of the
+        # inputs' size we agree (a V = 1 divergence is exactly 0; the truth's rounding gave -4e-17).
+        diff = (ours.detach().double() - truth.detach().double()).nan_to_num(0.0).norm().item()
+        if diff <= 64 * torch.finfo(torch.float64).eps * (1.0 + truth.detach().double().nan_to_num(0.0).norm().item()):
+            return
     assert e_ours <= 2.0 * e_torch + 1e-6 + extra, (
         f"{name}: our relative error {e_ours:.3e} exceeds 2.0 x PyTorch's {e_torch:.3e} + {1e-6 + extra:g}")
 
@@ -416,6 +422,8 @@ REGRESSIONS = [
     dict(_TWO, backend="triton", n=2, v=3, kind="fkl"),
     dict(_TWO, backend="torch", kind="rkl"),
     dict(_TWO, backend="triton", kind="rkl"),
+    # float64, one class: the JSD is exactly 0, the float64 truth's rounding -4e-17 (a relative error of 1)
+    dict(_TWO, dtype="float64", scale=0.1, v=1, kind="jsd", beta=0.1),
     # a near-uniform KL whose reduction was within PyTorch's per-row rounding (see _reduced_torch_error)
     dict(_TWO, backend="torch", n=3, v=2, scale=0.1, seed=165, d_teacher=17),
     # near-uniform heads: log p_t - log p_s and log p_s - log M from log-probabilities ~ -log V kept their roundings
