@@ -86,12 +86,13 @@ def _kinds(xs, ws, xt, wt, g, reps, rate):
             return two_heads.forward_stats(xs, ws, None, xt, wt, None, kind=kind, beta=0.5, softcap=None,
                                            inv_temp=1.0)
         st = fwd()
-        R = distill.row_loss(kind, 0.5, distill.RowStats(*st))[1]
+        _, R, t_ref, t_aux = distill.row_loss(kind, 0.5, distill.RowStats(*st))
         line = f"{kind:4s} forward {rate(_ms(fwd, reps), 4 if kind == 'jsd' else 2)}"
         for tma in (True, False):
-            def bwd(kind=kind, st=st, R=R):
-                return two_heads.backward(xs, ws, None, xt, wt, None, *st[:4], R, g, kind=kind, beta=0.5,
-                                          softcap=None, inv_temp=1.0, need_dx=True, need_dw=True, need_db=False)
+            def bwd(kind=kind, st=st, R=R, t_ref=t_ref, t_aux=t_aux):
+                return two_heads.backward(xs, ws, None, xt, wt, None, st[0], st[1], t_ref, t_aux, R, g, kind=kind,
+                                          beta=0.5, softcap=None, inv_temp=1.0, need_dx=True, need_dw=True,
+                                          need_db=False)
             with tuning(two_heads_dz_store_tma=tma):
                 line += f" | backward dz-tma={int(tma)} {_ms(bwd, reps):8.2f} ms"
         print(line)
