@@ -265,28 +265,36 @@ def _rule(name, ours, theirs, truth, extra=0.0, torch_floor=0.0):
         f"{name}: our relative error {e_ours:.3e} exceeds 2.0 x PyTorch's {e_torch:.3e} + {1e-6 + extra:g}")
 
 
-def _typical_torch_error(case, inp, dtype, draws: int = 6) -> float:
-    """PyTorch's error on a two-head loss as its root mean square over the case's inputs and `draws` copies whose
-    hidden states are moved by 0.1% (each against its own float64 truth: the same regime, other roundings; moves
-    of a few ulps kept the roundings). Near agreement the loss is a difference of log-sum-exps ~log V, and one
-    draw of their roundings can land 20 x under the typical error (a KL of 1.4e-5 at V = 2: 1.6e-9 off, where
-    2000 such rows give a median of 2.8e-8, PyTorch's and ours alike)."""
+def _typical_torch_errors(case, inp, dtype, draws: int = 6) -> dict[str, float]:
+    """PyTorch's error on the value and each gradient as its root mean square over the case's inputs and `draws`
+    copies whose hidden states (or logits) are moved by 0.1%, each against its own float64 truth: the same regime,
+    other roundings (moves of a few ulps kept the roundings). One draw can land far under the typical error:
+    near agreement a two-head loss is a difference of log-sum-exps ~log V (a KL of 1.4e-5 at V = 2 was 1.6e-9 off,
+    where 2000 such rows give a median of 2.8e-8, PyTorch's and ours alike); two top logits of ~60 whose gap
+    PyTorch's float32 products happened to round almost exactly gave it a gradient error of 1e-7, where its median
+    over moved inputs is 7e-7 and ours 1.7e-6 at that input."""
     if case["n"] == 0:
-        return 0.0
+        return {}
     g = torch.Generator().manual_seed(case["seed"] + 99)
-    errs = []
+    errs: dict[str, list[float]] = {}
     for k in range(draws + 1):
         moved = dict(inp)
         if k:
-            for key in ("x", "xt"):
-                t = inp[key].to(dtype)
-                moved[key] = (t.float() * (1.0 + 1e-3 * torch.randn(t.shape, generator=g))).to(dtype).float()
-        theirs = _run(case, moved, dtype, ours=False)[0]
-        truth = _run(case, moved, torch.float64, ours=False, src_dtype=dtype)[0]
-        if not torch.isfinite(truth).all():
-            return 0.0
-        errs.append(rel_err(theirs, truth))
-    return (sum(e * e for e in errs) / len(errs)) ** 0.5
+            for key in ("x", "xt", "z"):
+                if key in inp:
+                    t = inp[key].to(dtype)
+                    moved[key] = (t.float() * (1.0 + 1e-3 * torch.randn(t.shape, generator=g))).to(dtype).float()
+        out_t, s_t, leaves_t, names = _run(case, moved, dtype, ours=False)
+        out_64, s_64, leaves_64, _ = _run(case, moved, torch.float64, ours=False, src_dtype=dtype)
+        if torch.isfinite(out_64).all():
+            errs.setdefault("value", []).append(rel_err(out_t, out_64))
+        if leaves_t:
+            grads_t = torch.autograd.grad(s_t, leaves_t)
+            grads_64 = torch.autograd.grad(s_64, leaves_64)
+            for name, gt, g64 in zip(names, grads_t, grads_64, strict=True):
+                if torch.isfinite(g64).all():
+                    errs.setdefault(name, []).append(rel_err(gt, g64))
+    return {name: (sum(e * e for e in es) / len(es)) ** 0.5 for name, es in errs.items() if len(es) == draws + 1}
 
 
 def _reduced_torch_error(case, inp, dtype, reduced_truth) -> float:
@@ -309,7 +317,8 @@ def _reduced_torch_error(case, inp, dtype, reduced_truth) -> float:
 def run_case(case) -> None:
     """Ours in the case's dtype and backend, PyTorch in that dtype, PyTorch in float64: the value and every
     gradient under the error rule; ours is float32 (float64 for float64 input) and gradients keep the leaves'
-    dtypes."""
+    dtypes. Where ours exceeds the rule against this input's PyTorch error, the bound is PyTorch's typical error in
+    the same regime (_typical_torch_errors), computed only then."""
     inp = _build(case)
     dtype = DTYPES[case["dtype"]]
     out, s, leaves, names = _run(case, inp, dtype, ours=True)
@@ -317,32 +326,41 @@ def run_case(case) -> None:
     out_64, s_64, leaves_64, _ = _run(case, inp, torch.float64, ours=False, src_dtype=dtype)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), out.dtype
     assert out.shape == out_64.shape, (out.shape, out_64.shape)
-    floor = _reduced_torch_error(case, inp, dtype, out_64)
+    checks = [("value", out, out_t, out_64, 0.0, _reduced_torch_error(case, inp, dtype, out_64))]
     # The two-head losses: PyTorch's error is the larger of its two compositions' (testing.naive_two_heads,
     # form="builtin": a divergence near 0 is a difference of log-probabilities rounded at ~|log V|, and one
     # composition can land far below that by chance: 7e-11 on a KL of 5.6e-5 at V = 97, where each log-sum-exp's
     # rounding is 2.4e-7).
     alt = _run(case, inp, dtype, ours=False, form="builtin") if case["op"] == "two_heads" else None
     if alt is not None:
-        floor = max(floor, rel_err(alt[0], out_64), _typical_torch_error(case, inp, dtype))
-    _rule("value", out, out_t, out_64, torch_floor=floor)
-    if not leaves:
-        return
-    gs = torch.autograd.grad(s, leaves)
-    gs_t = torch.autograd.grad(s_t, leaves_t)
-    gs_64 = torch.autograd.grad(s_64, leaves_64)
-    floors = [0.0] * len(names)
-    if alt is not None:
-        floors = [rel_err(g, g64) for g, g64 in zip(torch.autograd.grad(alt[1], alt[2]), gs_64, strict=True)]
-    # cross_entropy(inplace_backward=True) on the Triton path writes the gradient in the forward and scales it by
-    # the upstream gradient in the backward: an upstream other than 1 rounds a half-precision gradient twice, one
-    # unit roundoff more than PyTorch's single rounding (documented with the option).
-    extra = 0.0
-    if case["op"] == "cross_entropy" and case["inplace"] and case["backend"] == "triton" and case["upstream"] != "one":
-        extra = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype, 0.0)
-    for name, go, gt, g64, leaf, floor in zip(names, gs, gs_t, gs_64, leaves, floors, strict=True):
-        assert go.dtype == leaf.dtype and go.shape == leaf.shape, name
-        _rule(name, go, gt, g64, extra, torch_floor=floor)
+        checks[0] = checks[0][:5] + (max(checks[0][5], rel_err(alt[0], out_64)),)
+    if leaves:
+        gs = torch.autograd.grad(s, leaves)
+        gs_t = torch.autograd.grad(s_t, leaves_t)
+        gs_64 = torch.autograd.grad(s_64, leaves_64)
+        floors = [0.0] * len(names)
+        if alt is not None:
+            floors = [rel_err(g, g64) for g, g64 in zip(torch.autograd.grad(alt[1], alt[2]), gs_64, strict=True)]
+        # cross_entropy(inplace_backward=True) on the Triton path writes the gradient in the forward and scales it
+        # by the upstream gradient in the backward: an upstream other than 1 rounds a half-precision gradient twice,
+        # one unit roundoff more than PyTorch's single rounding (documented with the option).
+        extra = 0.0
+        if (case["op"] == "cross_entropy" and case["inplace"] and case["backend"] == "triton"
+                and case["upstream"] != "one"):
+            extra = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype, 0.0)
+        for name, go, gt, g64, leaf, floor in zip(names, gs, gs_t, gs_64, leaves, floors, strict=True):
+            assert go.dtype == leaf.dtype and go.shape == leaf.shape, name
+            checks.append((name, go, gt, g64, extra, floor))
+    typical = None
+    for name, ours, theirs, truth, extra, floor in checks:
+        try:
+            _rule(name, ours, theirs, truth, extra, torch_floor=floor)
+        except AssertionError:
+            if typical is None:
+                typical = _typical_torch_errors(case, inp, dtype)
+            if name not in typical:
+                raise
+            _rule(name, ours, theirs, truth, extra, torch_floor=max(floor, typical[name]))
 
 
 def _check(case):

@@ -175,7 +175,7 @@ def main():
         dz_tiles, fused, group = _spec(spec)
 
         def bwd2():
-            return two_heads.backward(xs, ws, None, xt, wt, None, m_s, logs_s, m_t, logs_t, None, g, kind="fkl",
+            return two_heads.backward(xs, ws, None, xt, wt, None, m_s, logs_s, m_t, logs_t, st[9], g, kind="fkl",
                                       beta=0.5, softcap=None, inv_temp=1.0, need_dx=True, need_dw=True,
                                       need_db=False)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, torch_backend
+from . import _validate, loss_math, torch_backend
 from ._autograd import first_order_only, no_double_backward, no_setup
 from .head import choose_backend
 from .torch_backend import chunks, token_chunk
@@ -142,12 +142,13 @@ def row_loss(kind: str, beta: float, st: RowStats):
     student's argmax, and for the JSD t_aux is logs_s - logs_t). The terms are each small where the loss is
     (docs/math.md): no difference of logit-sized numbers is left to cancel."""
     if kind == "fkl":  # E_t[z_t - z_s] - lse_t + lse_s, with E_t[z_t - z_s] = da + m_t - zr
-        return st.da + ((st.m_s - st.zr) + st.dl), None, st.m_t, st.logs_t
+        # R = dl: dL/dz_s = p_s - p_t = -p_s expm1(log p_t - log p_s) near agreement (dz_student)
+        return st.da + ((st.m_s - st.zr) + st.dl), st.dl, st.m_t, st.logs_t
     if kind == "rkl":  # E_s[z_s - z_t] - lse_s + lse_t
         # dL/dz_s = p_s (l_s - l_t - KL) = p_s ((z_s - m_s) - (z_t - zr) - da): da is R, zr the teacher's reference.
         return st.da + ((st.m_t - st.zr) + st.dl), st.da, st.zr, st.logs_t
     if kind == "ce":  # lse_s - E_t[z_s] = (m_s - zr) + logs_s - E_t[z_t - m_t] + da
-        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), None, st.m_t, st.logs_t
+        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), st.dl, st.m_t, st.logs_t
     # R: (ks, u at the student's argmax); dz_student's row term is d - d_ref - ks, 0 at the argmax's own class
     # (a = the student: dl = logs_t - logs_s, so u = lt - ls takes -dl)
     u_ref = (st.zr - st.m_t) - st.dl
@@ -174,7 +175,12 @@ def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
     ls = (zs - m_s[:, None]) - logs_s[:, None]
     ps = torch.exp(ls)
     if kind in ("fkl", "ce"):
-        dz = ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None])
+        # R is dl = logs_s - logs_t here (row_loss). Near agreement p_s - p_t cancels to ~an ulp of p (3e-8 at
+        # p ~ 0.5 against differences of 1e-4); -p_s expm1(u), u = log p_t - log p_s, is exact to an ulp of itself.
+        u = _lt_minus_ls(zs, zt, m_s, m_t, R)
+        near = u.abs() < 0.5
+        dz = torch.where(near, -ps * torch.expm1(torch.where(near, u, 0.0)),
+                         ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None]))
     else:
         if kind == "rkl":  # m_t is the teacher's logit at the student's argmax and R = da (row_loss)
             inner = (zs - m_s[:, None]) - (zt - m_t[:, None]) - R[:, None]
@@ -226,12 +232,13 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
     f = dict(device=a.xs.device, dtype=acc)
     out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks", "zr", "dl")}
     w_student = weights_student(kind)
+    want_t = kind != "jsd"  # dl near agreement (loss_math.log_ratio)
     cn = token_chunk(V)
     for i0, i1 in chunks(n, cn):
         c = i1 - i0
         m_s = torch.full((c,), -math.inf, **f)
         m_t = torch.full((c,), -math.inf, **f)
-        s_s, s_t, ent, dsum, ref = (torch.zeros(c, **f) for _ in range(5))
+        s_s, s_t, ent, dsum, ref, tsum = (torch.zeros(c, **f) for _ in range(6))
         for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
@@ -250,6 +257,9 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
             w = alpha * s_a
             dsum = (alpha * dsum + torch.where(w > 0, w * (shift - (ref - new_ref)), 0.0)
                     + torch.where(e > 0, e * ((za - safe_a[:, None]) - (zb - new_ref[:, None])), 0.0).sum(1))
+            if want_t:
+                tsum = loss_math.move_t(tsum, s_a, w, (ref - new_ref) - shift, ref - new_ref) + loss_math.t_terms(
+                    e, (zb - new_ref[:, None]) - (za - safe_a[:, None]), torch.exp(zb - new_ref[:, None]))
             ref = new_ref
             s_a = s_a * alpha + e.sum(1)
             # the other head: its max and sum only
@@ -266,7 +276,8 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         out["m_s"][sl], out["logs_s"][sl] = m_s, torch.log(s_s)
         out["m_t"][sl], out["logs_t"][sl] = m_t, torch.log(s_t)
         out["ea"][sl], out["da"][sl], out["zr"][sl] = ent / s_a, dsum / s_a, ref
-        out["dl"][sl] = torch.log((s_t if w_student else s_s) / s_a)
+        s_b, m_b = (s_t, m_t) if w_student else (s_s, m_s)
+        out["dl"][sl] = loss_math.log_ratio(s_b, s_a, m_b, ref, tsum if want_t else None)
     if kind != "jsd":
         return RowStats(out["m_s"], out["logs_s"], out["m_t"], out["logs_t"], out["ea"], out["da"], zr=out["zr"],
                         dl=out["dl"])

@@ -164,3 +164,40 @@ def log_probs_from_stats(st: Stats, valid):
     """(log p of the target, entropy or None), each 0 at ignored rows."""
     logp = torch.where(valid, (st.zt - st.m) - st.logs, 0.0)
     return logp, (None if st.ent is None else torch.where(valid, st.ent, 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two heads: the log-ratio of their sums near agreement (distill.RowStats.dl; both backends)
+
+
+def move_t(t, s_a, w, cs, q_log):
+    """T = sum_j e_a expm1(delta_j) of earlier blocks moved to new references (m_a' and zr'): delta moves by cs =
+    (m_a' - m_a) - (zr' - zr), so T' = exp(zr - zr') T + alpha s_a expm1(cs), with w = alpha s_a and q_log =
+    zr - zr'; the last term as s_a e^q_log - w where |cs| >= 0.5 (w may have underflowed there while the old
+    classes' mass relative to the new reference has not)."""
+    q = torch.exp(q_log)
+    small = cs.abs() < 0.5
+    move = torch.where(small, w * torch.expm1(torch.where(small, cs, 0.0)), s_a * q - w)
+    return torch.where(s_a > 0, q * t + move, 0.0)
+
+
+def t_terms(e, delta, eb_ref):
+    """Row sums of e_a expm1(delta), delta = (z_b - zr) - (z_a - m_a) (0 at a's argmax), eb_ref = exp(z_b - zr):
+    expm1 where |delta| < 0.5 (each term to an ulp of itself however close the heads are), else eb_ref - e_a,
+    which has no cancellation there and stays right where e_a underflows to 0 but the other head's mass does not."""
+    small = delta.abs() < 0.5
+    term = torch.where(small, e * torch.expm1(torch.where(small, delta, 0.0)), eb_ref - e)
+    return torch.where(torch.isnan(term), 0.0, term).sum(1)
+
+
+def log_ratio(s_b, s_a, m_b, zr, t):
+    """dl = logs_b - logs_a = log(s_b / s_a), each s relative to its head's maximum. With T = sum_j e_a expm1(delta_j)
+    (t; _t_terms), s_b / s_a = e^(zr - m_b) (1 + T / s_a): near agreement log1p(T / s_a) is exact to the
+    logits' rounding, where log(s_b / s_a) keeps the two sums' roundings (1e-7 against a KL of 1e-4 at V = 2, twice
+    PyTorch's error). The log-ratio form where T / s_a is large or not finite (overflow far from agreement)."""
+    plain = torch.log(s_b / s_a)
+    if t is None:
+        return plain
+    tn = t / s_a
+    near = torch.isfinite(tn) & (tn.abs() <= 1.0)
+    return torch.where(near, (zr - m_b) + torch.log1p(torch.where(near, tn, 0.0)), plain)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import loss_math
 from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, gradient_buffers, new_buffer, num_sms
 from ._device import LOG2E, cast, exp, mma
 from ._tuning import current_tuning
@@ -136,6 +137,13 @@ def _log1p(u):
 
 
 @triton.jit
+def _expm1_small(u):
+    # expm1(u) for |u| < 0.5 to an ulp or two (Taylor to u^9: 3e-10 at 0.5), where exp(u) - 1 keeps exp's rounding
+    return u * (1.0 + u * (0.5 + u * (1.0 / 6.0 + u * (1.0 / 24.0 + u * (1.0 / 120.0 + u * (1.0 / 720.0 + u * (
+        1.0 / 5040.0 + u * (1.0 / 40320.0 + u * (1.0 / 362880.0)))))))))
+
+
+@triton.jit
 def _mix_terms(u, log_beta, log_1mb, c0):
     # (log p_s - log M, log p_t - log M) for u = log p_t - log p_s (distill._mix_terms), as two-term log-sum-exps
     # -LSE(u + log beta, log(1 - beta)) and -LSE(log beta, log(1 - beta) - u), whose arguments differ by the same
@@ -167,15 +175,15 @@ def _two_fwd_kernel(
     softcap, inv_temp, log_beta, log_1mb, c0,
     # meta-parameters
     MODE: tl.constexpr, WEIGHT_S: tl.constexpr, HAS_ENT: tl.constexpr, HAS_D: tl.constexpr, HAS_REF: tl.constexpr,
-    HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+    HAS_T: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
 ):
-    # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a, zr] of the split's tiles,
+    # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a, zr, t_a] of the split's tiles,
     # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
-    # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), each only where asked for (HAS_ENT,
-    # HAS_D; 0 otherwise). MODE 2 (the JSD's pass
+    # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), t_a = sum e_a expm1((z_b - zr) - (z_a - m_a))
+    # (loss_math.t_terms), each only where asked for (HAS_ENT, HAS_D, HAS_T; 0 otherwise). MODE 2 (the JSD's pass
     # 2): partials [kt, ks] from stats_ptr's (6, N) final (m_s, logs_s, m_t, logs_t, logs_s - logs_t, u_ref), ks
     # relative to the student's argmax (distill.RowStats).
     pid = tl.program_id(0)
@@ -232,6 +240,7 @@ def _two_fwd_kernel(
         ent = tl.zeros((BLOCK_N,), tl.float32)
         d_a = tl.zeros((BLOCK_N,), tl.float32)
         zr = tl.zeros((BLOCK_N,), tl.float32)
+        t_a = tl.zeros((BLOCK_N,), tl.float32)
         for _ in range(j0, j1):
             zs, zt, _slope, col_ok = _two_tiles(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
@@ -253,6 +262,8 @@ def _two_fwd_kernel(
             da = za - ma_new[:, None]
             e = exp(da)
             live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
+            mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
+            eb = exp(zb - mb_new[:, None])
             if HAS_ENT:
                 ent = rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
             if HAS_REF:
@@ -263,11 +274,23 @@ def _two_fwd_kernel(
                     w = alpha * s_a
                     d_a = (alpha * d_a + tl.where(w > 0, w * ((m_a - ma_new) - (zr - zr_new)), 0.0)
                            + tl.sum(tl.where(live, e * (da - (zb - zr_new[:, None])), 0.0), axis=1))
+                if HAS_T:
+                    # loss_math.move_t and t_terms: the old terms move with both references (delta by cs); a
+                    # term is e_a expm1(delta) near 0 and exp(z_b - zr) - e_a (from eb) elsewhere.
+                    q = exp(zr - zr_new)
+                    cs = (zr - zr_new) - (m_a - ma_new)
+                    w = alpha * s_a
+                    move = tl.where(tl.abs(cs) < 0.5, w * _expm1_small(cs), s_a * q - w)
+                    delta = (zb - zr_new[:, None]) - da
+                    term = tl.where(tl.abs(delta) < 0.5, e * _expm1_small(delta),
+                                    eb * exp(mb_new - zr_new)[:, None] - e)
+                    if not EVEN_V:
+                        term = tl.where(col_ok[None, :], term, 0.0)
+                    t_a = tl.where(s_a > 0, q * t_a + move, 0.0) + tl.sum(term, axis=1)
                 zr = zr_new
             s_a = s_a * alpha + tl.sum(e, axis=1)
             m_a = ma_new
-            mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
-            s_b = s_b * exp(m_b - mb_new) + tl.sum(exp(zb - mb_new[:, None]), axis=1)
+            s_b = s_b * exp(m_b - mb_new) + tl.sum(eb, axis=1)
             m_b = mb_new
             col0 += BLOCK_V
         step = n_splits * N
@@ -284,6 +307,7 @@ def _two_fwd_kernel(
         tl.store(out + 4 * step, ent, mask=row_ok)
         tl.store(out + 5 * step, d_a, mask=row_ok)
         tl.store(out + 6 * step, zr, mask=row_ok)
+        tl.store(out + 7 * step, t_a, mask=row_ok)
 
 
 @triton.jit
@@ -328,10 +352,13 @@ def _two_dz_kernel(
     cs = zs - ms[:, None]
     ls = cs - lss[:, None]
     ps = tl.exp2(ls * LOG2E)
+    r = tl.load(r_ptr + rows_in)
     if MODE == 0:
-        gz = ps - tl.exp2(((zt - mt[:, None]) - lst[:, None]) * LOG2E)
+        # r is logs_s - logs_t (distill.dz_student): -p_s expm1(log p_t - log p_s) near agreement, where p_s - p_t
+        # would cancel to an ulp of p
+        u = ((zt - mt[:, None]) - cs) + r[:, None]
+        gz = tl.where(tl.abs(u) < 0.5, -ps * _expm1_small(u), ps - tl.exp2(((zt - mt[:, None]) - lst[:, None]) * LOG2E))
     else:
-        r = tl.load(r_ptr + rows_in)
         if MODE == 1:
             # mt is the teacher's logit at the student's argmax and r = E_s[(z_s - m_s) - (z_t - mt)]
             # (distill.row_loss): both terms are 0 at the argmax, so a saturated row leaves no rounding of
@@ -440,17 +467,18 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     grid = (n_blocks * n_splits,)
     opts = (float(softcap or 1.0), float(inv_temp), *_beta_args(kind, beta))
-    part = new_buffer((7, n_splits, N), **f32)
+    want_t = kind != "jsd"  # the log-ratio near agreement (loss_math.log_ratio)
+    part = new_buffer((8, n_splits, N), **f32)
     # (The JSD uses only the log-sum-exps of this pass. They come from this kernel, not from the single-head
     # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
     _two_fwd_kernel[grid](*args, None, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
                           MODE=0, WEIGHT_S=kind in ("rkl", "jsd"), HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
-                          HAS_REF=True,
+                          HAS_REF=True, HAS_T=want_t,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
-    m_s, s_s, m_t, s_t, ent, d_a, zr = part.unbind(0)
+    m_s, s_s, m_t, s_t, ent, d_a, zr, t_a = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
     sc_s, sc_t = torch.exp(m_s - big_s), torch.exp(m_t - big_t)
     S_s, S_t = (s_s * sc_s).sum(0), (s_t * sc_t).sum(0)
@@ -463,15 +491,19 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     d_a = (sc_a * d_a + torch.where(w > 0, w * ((m_a - big_a) - (zr - zr_row)), 0.0)).sum(0)
     logs_s, logs_t = torch.log(S_s), torch.log(S_t)
     if kind != "jsd":
-        S_b = S_t if w_s else S_s
-        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, torch.log(S_b / S_a), None
+        S_b, big_b = (S_t, big_t) if w_s else (S_s, big_s)
+        t_row = None
+        if want_t:
+            t_row = loss_math.move_t(t_a, s_a, w, (zr - zr_row) - (m_a - big_a), zr - zr_row).sum(0)
+        dl = loss_math.log_ratio(S_b, S_a, big_b, zr_row, t_row)
+        return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, dl, None
     part2 = new_buffer((3, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
     u_ref = (zr_row - big_t) + dl  # log p_t - log p_s at the student's argmax, as the kernels form it per class
     _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, N, V, Ds,
                           xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
-                          HAS_REF=False,
+                          HAS_REF=False, HAS_T=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2[:2].sum(1).unbind(0)
     # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly). d_ref: the
