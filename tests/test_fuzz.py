@@ -453,6 +453,20 @@ REGRESSIONS = [
     dict(_TWO, backend="triton", v=97, scale=0.1, seed=1538, d_teacher=3, temperature=3.0, kind="jsd", beta=0.9,
          n=33),
     dict(_TWO, backend="torch", v=97, scale=1.0, seed=1538, d_teacher=3, temperature=3.0, kind="jsd", beta=0.1),
+    # near-uniform heads at V = 2: log(s_s / s_t) kept the two sums' roundings (KL 1.9 x PyTorch's median error,
+    # 2.6 x its typical one); now log1p of sum_j p_t expm1(delta_j). And p_s - p_t cancelled to an ulp of p
+    # (gradients 4 x PyTorch's typical error on the Triton path); now -p_s expm1(log p_t - log p_s).
+    dict(_TWO, n=1, v=2, d=1, scale=0.1, seed=0, d_teacher=17, temperature=3.0),
+    dict(_TWO, backend="triton", n=1, v=2, d=1, scale=0.1, seed=33, d_teacher=17, temperature=3.0),
+    # one draw of PyTorch's rounding far under its typical error (near-uniform V = 2 gradients; two top logits ~60
+    # whose gap its products rounded almost exactly; a d_weight summed over three rows): the bound is its typical
+    # error over moved inputs (_typical_torch_errors)
+    dict(_TWO, backend="triton", n=1, v=2, d=1, scale=0.1, seed=0, d_teacher=1),
+    dict(_TWO, n=1, v=2, d=17, scale=0.1, seed=220, softcap=0.5, d_teacher=1, temperature=3.0, bias=True),
+    dict(_BASE, op="linear_log_probs", backend="torch", dtype="float32", n=1, v=128, d=3, scale=30.0, seed=288,
+         ignore_frac=0.0, upstream="one", w_layout="transposed", temperature=0.7, return_entropy=False),
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=3, v=128, d=1, scale=0.1, seed=300,
+         ignore_frac=0.0, bias=False, reduction="mean", label_smoothing=0.1, class_weight="with_zeros"),
     # class weights summing to 0 over the batch with a z-loss: inf, as PyTorch's
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, ignore_frac=0.0, scale=0.1, seed=124,
          reduction="mean", z_loss=1e-4, class_weight="with_zeros", upstream="one"),
