@@ -77,12 +77,13 @@ def acc_dtype(dtype) -> torch.dtype:
 
 def apply_softcap(z: torch.Tensor, softcap: float | None, *, inplace: bool = False) -> torch.Tensor:
     """softcap * tanh(z / softcap), the logit cap of every PyTorch-side path (None: z unchanged). `inplace` writes
-    it over z (a block that owns its memory); otherwise a new, differentiable tensor."""
+    it over z (a block that owns its memory, differentiated by chain_transform); otherwise a new tensor whose
+    autograd slope is softcap_slope's (_Softcap)."""
     if softcap is None:
         return z
     if inplace:
         return z.div_(softcap).tanh_().mul_(softcap)
-    return softcap * torch.tanh(z / softcap)
+    return _Softcap.apply(z, float(softcap))
 
 
 def transform(raw: torch.Tensor, softcap: float | None, inv_temp: float) -> torch.Tensor:
@@ -320,8 +321,7 @@ def one_class_logits(x, w, b, softcap, inv_temp):
     whenever PyTorch's rounding happens to be the luckier."""
     with torch.autocast(x.device.type, enabled=False):
         z = _OneClassLinear.apply(x, w, b)
-        if softcap is not None:
-            z = _Softcap.apply(z, float(softcap))
+        z = apply_softcap(z, softcap)
         return z * inv_temp if inv_temp != 1.0 else z
 
 
