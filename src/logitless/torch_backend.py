@@ -281,18 +281,18 @@ class _HeadStats(torch.autograd.Function):
         st, mu, rest = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
         empty = st.m.new_empty(0)
         out = tuple(empty.clone() if s is None else s for s in st)
-        ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4], mu, rest)
+        ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4], mu, rest, st.zt)
         ctx.opts = (softcap, inv_temp, want_smooth, want_entropy)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent):
-        x, w, b, target, class_w, m, logs, ent, mu, rest = ctx.saved_tensors
+        x, w, b, target, class_w, m, logs, ent, mu, rest, zt = ctx.saved_tensors
         softcap, inv_temp, want_smooth, want_entropy = ctx.opts
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         coef = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
-                                 g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest)
+                                 g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest, zt)
         dx, dw, db = head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs)
         return dx, dw, db, None, None, None, None, None, None
 
@@ -521,7 +521,7 @@ class _CrossEntropy(torch.autograd.Function):
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, acc)
         loss = ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V)
         lse = m + logs
-        ctx.save_for_backward(logits, target, class_w, m, logs, rest)
+        ctx.save_for_backward(logits, target, class_w, m, logs, rest, zt)
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.inplace = bool(inplace)
         ctx.mark_non_differentiable(lse)
@@ -535,12 +535,12 @@ class _CrossEntropy(torch.autograd.Function):
                 raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
                                    "logits by an earlier backward; it can run only once")
             ctx.consumed = True
-        logits, target, class_w, m, logs, rest = ctx.saved_tensors
+        logits, target, class_w, m, logs, rest, zt = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap = ctx.opts
         n, V = logits.shape
         valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, label_smoothing, V, m.dtype)
         A, C, E, X = ce_backward_coef(grad_loss, m + logs, valid, w_t, w_sum, label_smoothing, z_loss, V)
-        q = one_minus_pt(rest, logs)
+        q = one_minus_pt(rest, logs, torch.exp(zt - m))
         grad = logits if ctx.inplace else torch.empty_like(logits)
         for i0, i1 in chunks(n, token_chunk(V)):
             sl = slice(i0, i1)
@@ -705,7 +705,7 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
                 z.sub_(E[sl, None])
         if C is not None:
             # The target's column: p_t At - (1 - p_t) C - E w_t, not p_t A - C (- E w_t), which cancels.
-            d_t = -one_minus_pt(rest_c, logs_c) * C[sl]
+            d_t = -one_minus_pt(rest_c, logs_c, torch.where(ins, e_t, 0.0)) * C[sl]
             if at_c is not None:
                 d_t = d_t + (e_t * inv_s) * at_c
             if E is not None:

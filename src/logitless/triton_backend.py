@@ -141,11 +141,11 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
      ws, _want_stash, _stash_dx) = inputs
-    m, logs, _, _, ent, tiles, stash, mu, rest = output
+    m, logs, zt, _, ent, tiles, stash, mu, rest = output
     has_rest = _has_rest(target, perm, want_entropy)
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
                           tiles if want_tiles and x.shape[0] != 0 else None, mu if has_rest and want_entropy else None,
-                          rest if has_rest else None)
+                          rest if has_rest else None, zt if has_rest else None)
     ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws)
     # The stash is not a saved tensor: the backward writes dW over it (a saved tensor's version check would fail)
     # and hands it on as the weight's gradient after dropping this reference, so that AccumulateGrad takes it over
@@ -157,14 +157,15 @@ def _stats_setup_context(ctx, inputs, output):
 
 
 def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g_mu, _g_rest):
-    x, weight, bias, target, class_weight, m, logs, ent, perm, tiles, mu, rest = ctx.saved_tensors
+    x, weight, bias, target, class_weight, m, logs, ent, perm, tiles, mu, rest, zt = ctx.saved_tensors
     softcap, inv_temp, want_smooth, want_entropy, tau, ws = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
         return (None,) * 15
     A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
-                                       g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest)
+                                       g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest,
+                                       zt)
     # The stash is used up by the first backward (it becomes dW); another one (retain_graph=True) recomputes, and
     # so does a backward that builds a graph (create_graph=True: the functional op, whose double backward raises).
     stash, ctx.stash = ctx.stash, None
