@@ -126,6 +126,43 @@ def test_cross_entropy_replays(inplace):
         _assert_close(got, want, ("loss", "d_logits"))
 
 
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "ce"])
+def test_two_heads_replay(kind):
+    """The distillation losses: both heads' statistics, the merge of vocabulary splits and the student's gradients
+    capture without a host synchronisation and replay with new data as eager computes it."""
+    def teacher(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed + 100)
+        xt = torch.randn(N, 512, device="cuda", generator=g).bfloat16()
+        wt = (torch.randn(V, 512, device="cuda", generator=g) * 0.05).bfloat16()
+        return xt, wt
+
+    def step_for(x, w, xt, wt, t):
+        def step():
+            x.grad = w.grad = None
+            kw = dict(target=t, temperature=2.0, backend="triton")
+            if kind == "jsd":
+                loss = logitless.linear_jsd(x, w, xt, wt, beta=0.3, **kw)
+            elif kind == "ce":
+                loss = logitless.linear_soft_cross_entropy(x, w, xt, wt, **kw)
+            else:
+                loss = logitless.linear_kl_div(x, w, xt, wt, direction="forward" if kind == "fkl" else "reverse",
+                                               **kw)
+            loss.backward()
+            return loss.detach(), x.grad, w.grad
+        return step
+
+    fresh = [_head(s) + teacher(s) for s in (1, 2)]
+    x0, w0, t0 = _head(0)
+    xt0, wt0 = teacher(0)
+    xs, ws = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    statics = (xs, ws, t0.clone(), xt0.clone(), wt0.clone())
+    step = step_for(statics[0], statics[1], statics[3], statics[4], statics[2])
+    for (x, w, t, xt, wt), got in zip(fresh, _captured(step, statics, [(f[0], f[1], f[2], f[3], f[4]) for f in fresh]),
+                                      strict=True):
+        want = step_for(x.clone().requires_grad_(True), w.clone().requires_grad_(True), xt, wt, t)()
+        _assert_close(got, want, ("loss", "d_input", "d_weight"))
+
+
 def test_compile_reduce_overhead():
     # What a training loop gets from torch.compile(mode="reduce-overhead"): CUDA graphs through cudagraph trees,
     # the forward and backward graphs each replayed; the results equal the eager ones.

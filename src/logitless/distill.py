@@ -116,7 +116,8 @@ class RowStats(NamedTuple):
     """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a (the student
     for the reverse KL and the JSD, the teacher otherwise; b the other): ea = E_a[z_a - m_a] (for the soft
     cross-entropy), zr = z_b at a's argmax (the reference), da = E_a[(z_a - m_a) - (z_b - zr)], and
-    dl = logs_b - logs_a formed as log(s_b / s_a). For the JSD, kt = KL(p_t || M) from the second pass and ks
+    dl = logs_b - logs_a formed as log(s_b / s_a), or near agreement from sum_j e_a expm1(delta_j) (loss_math.log_ratio;
+    not for the JSD). For the JSD, kt = KL(p_t || M) from the second pass and ks
     relative to the reference: sum_j p_s (d_j - d_ref), d = log p_s - log M and d_ref its value at the student's
     argmax (dref; None otherwise). Both of da's terms, and d - d_ref, are 0 at a's argmax: where p_a is nearly one-hot,
     the sums are the small terms of the other classes instead of differences of logit-sized numbers; and near
