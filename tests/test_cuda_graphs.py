@@ -139,7 +139,7 @@ def test_two_heads_replay(kind):
     def step_for(x, w, xt, wt, t):
         def step():
             x.grad = w.grad = None
-            kw = dict(target=t, temperature=2.0, backend="triton")
+            kw = dict(target=t, temperature=2.0, reduction="mean", backend="triton")
             if kind == "jsd":
                 loss = logitless.linear_jsd(x, w, xt, wt, beta=0.3, **kw)
             elif kind == "ce":
