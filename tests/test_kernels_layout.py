@@ -67,11 +67,14 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def test_kernels_import_nothing_above_them_but_the_workspace_policy():
     # The kernels are the bottom layer: they import each other, torch and triton; of the package above them only
-    # the default workspace budget, which the PyTorch path shares (the dispatcher's table of ops with kernels is
-    # static, so the kernels do not register with it).
+    # loss_math's pieces that the PyTorch path shares, so that both backends use one formula: the default workspace
+    # budget, and the two heads' merge of their near-agreement sums (move_t, log_ratio). The dispatcher's table of
+    # ops with kernels is static, so the kernels do not register with it.
     above = {}
     for path in sorted(KERNELS.rglob("*.py")):
         got = {m for m in _imports(path) if m.startswith("logitless") and not m.startswith("logitless.kernels")}
         if got:
             above[str(path.relative_to(KERNELS))] = got
-    assert above == {"linear_head/plans.py": {"logitless.loss_math", "logitless.loss_math.default_workspace_bytes"}}
+    assert above == {"linear_head/plans.py": {"logitless.loss_math", "logitless.loss_math.default_workspace_bytes"},
+                     "two_heads.py": {"logitless.loss_math", "logitless.loss_math.log_ratio",
+                                      "logitless.loss_math.move_t"}}

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import loss_math
+from ..loss_math import log_ratio, move_t
 from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, gradient_buffers, new_buffer, num_sms
 from ._device import LOG2E, cast, exp, mma
 from ._tuning import current_tuning
@@ -494,8 +494,8 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
         S_b, big_b = (S_t, big_t) if w_s else (S_s, big_s)
         t_row = None
         if want_t:
-            t_row = loss_math.move_t(t_a, s_a, w, (zr - zr_row) - (m_a - big_a), zr - zr_row).sum(0)
-        dl = loss_math.log_ratio(S_b, S_a, big_b, zr_row, t_row)
+            t_row = move_t(t_a, s_a, w, (zr - zr_row) - (m_a - big_a), zr - zr_row).sum(0)
+        dl = log_ratio(S_b, S_a, big_b, zr_row, t_row)
         return big_s, logs_s, big_t, logs_t, ent / S_a, d_a / S_a, None, None, zr_row, dl, None
     part2 = new_buffer((3, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
