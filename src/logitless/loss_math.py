@@ -195,7 +195,7 @@ def t_terms(e, delta, eb_ref):
 
 def log_ratio(s_b, s_a, m_b, zr, t):
     """dl = logs_b - logs_a = log(s_b / s_a), each s relative to its head's maximum. With T = sum_j e_a expm1(delta_j)
-    (t; _t_terms), s_b / s_a = e^(zr - m_b) (1 + T / s_a): near agreement log1p(T / s_a) is exact to the
+    (t; t_terms), s_b / s_a = e^(zr - m_b) (1 + T / s_a): near agreement log1p(T / s_a) is exact to the
     logits' rounding, where log(s_b / s_a) keeps the two sums' roundings (1e-7 against a KL of 1e-4 at V = 2, twice
     PyTorch's error). The log-ratio form where T / s_a is large or not finite (overflow far from agreement)."""
     plain = torch.log(s_b / s_a)
