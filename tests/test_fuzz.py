@@ -495,6 +495,11 @@ REGRESSIONS = [
     dict(_BASE, op="cross_entropy", backend="torch", dtype="float32", n=2, v=2, lead="3d", layout="transposed",
          seed=7886, ignore_frac=0.0, ignore_index=0, int32=True, reduction="none", label_smoothing=0.1, z_loss=1e-4,
          class_weight="with_zeros"),
+    # label smoothing 1 with class weights 0.5738 / 0.5741 at a near-uniform V = 2 row: p_j W - w_j cancels, and
+    # p A as exp(z - m) (A exp(-logs)) rounded twice more than A / S (2.4 x PyTorch's typical d_input error)
+    dict(_BASE, op="linear_cross_entropy", backend="torch", dtype="float32", n=2, v=2, d=3, scale=0.1, seed=211,
+         softcap=0.5, upstream="one", ignore_frac=0.0, bias=False, reduction="sum", label_smoothing=1.0,
+         class_weight="random"),
 ]
 
 
