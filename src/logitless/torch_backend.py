@@ -698,9 +698,9 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
             zl = r[sl] * (2.0 * z_loss) * (m_c + logs_c)
             a_c = a_c + zl
             at_c = zl if at_c is None else at_c + zl
-        # p A = exp(z - m) (A / S), A / S rounded once from the sum itself. exp(-logs) (head_backward's form, which
-        # has only logs) adds exp's and log's roundings: where p_j W - w_j cancels (label smoothing with class
-        # weights near W / V) that put ours at 1.2 x PyTorch's median d_input error (V = 2, smoothing 1), where A / S is at 0.9 x.
+        # p A = exp(z - m) (A / S), A / S rounded once from the sum itself (head_backward has only logs: A /
+        # exp(logs)). A exp(-logs) rounded more: where p_j W - w_j cancels (label smoothing with class weights near
+        # W / V, V = 2) it put ours at 1.2 x PyTorch's median d_input error, where A / S is at 0.9 x.
         z.mul_((a_c / s_c)[:, None])
         if E is not None:
             if class_w is not None:
