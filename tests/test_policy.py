@@ -12,6 +12,7 @@ from logitless.bench.measure import _cpu_peak
 from logitless.kernels import current_tuning
 from logitless.kernels import linear_head as lh
 from logitless.kernels.linear_head import plans as lh_plans
+from logitless.kernels.linear_head import products as lh_products
 from tests.helpers import assert_within_rule, check_against_truth, leaves, make_case
 
 MiB = 1 << 20
@@ -198,3 +199,27 @@ def test_torch_path_peak_and_precision_with_many_blocks(monkeypatch):
     peak, _ = _cpu_peak(run)
     extra = peak - xo.grad.nbytes - wo.grad.nbytes - bo.grad.nbytes
     assert extra <= loss_math.default_workspace_bytes(n, v) + 64 * 4 * n + (16 << 10), extra
+
+
+@pytest.mark.parametrize("budget", ["lean", "policy", "large"])
+def test_odd_vocabulary_dz_rows_aligned(small_policy, monkeypatch, budget):
+    # The last chunk of an odd vocabulary has an odd width. Its dz rows are plans.dz_cols apart (16-byte aligned,
+    # as cuBLAS's fast products need) wherever dz lives: dW rows, the scratch, or dx; and the products take the
+    # classes past a multiple of 8 apart. The gradients stay within the rule.
+    ws = dict(zip(("lean", "policy", "large"), small_policy, strict=True))[budget]
+    seen = []
+    real = lh_products._products_torch
+
+    def spy(dz, x, wc, dw_rows, dx_acc, accumulate):
+        seen.append((dz.shape[1], dz.stride()))
+        return real(dz, x, wc, dw_rows, dx_acc, accumulate)
+
+    monkeypatch.setattr(lh_products, "_products_torch", spy)
+    with logitless.kernels.tuning(torch_products=True):
+        x, w, b, t = make_case(torch.bfloat16, n=N, d=D, v=V + 1, bias=True, scale=2.0)
+        check_against_truth(functools.partial(logitless.linear_cross_entropy, workspace_bytes=ws),
+                            testing.naive_linear_cross_entropy, x, w, b, t, backend="triton")
+    row_major = [(cols, st) for cols, st in seen if st[1] == 1]
+    assert row_major and all(st[0] % 8 == 0 for _, st in row_major), seen
+    assert any(cols % 8 for cols, _ in seen)  # the odd last chunk reached the products ...
+    assert any(cols < 8 for cols, _ in seen)  # ... and its last classes went apart

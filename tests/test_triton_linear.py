@@ -1256,7 +1256,7 @@ def test_first_pass_chunks(n, d, v, wide, expect, aligned):
         mine = (v0, min(v1, dw_end))
         if dz_at is not None:
             assert v1 - v0 > chunk or v1 in (dw_end, v)  # wider than the plan's chunk, unless cut at an end
-            lo, hi = dz_at, dz_at + n * (v1 - v0)
+            lo, hi = dz_at, dz_at + n * lh_plans.dz_cols(v1 - v0)  # dz's rows are 16-byte aligned
             assert 0 <= lo and hi <= start
             assert not any(a * d < hi and b * d > lo for a, b in written + [mine] if a < b)
         written.append(mine)

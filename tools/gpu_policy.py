@@ -8,6 +8,8 @@ workspace setting, next to torch.compile and cuBLAS's products, every provider i
 Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
   lean     workspace_bytes=0: the leanest plan (8 MiB scratch, the dx accumulator in dW's last rows, second pass)
   default  workspace_bytes=None: the default policy, max(16 MiB, N V / 5 bytes) (loss_math.default_workspace_bytes)
+  borrow   (where the default buys the float32 dx accumulator its own buffer) the same budget with the accumulator
+           in dW's last rows instead (Tuning.own_accumulator=False): all of the budget is scratch, with a second pass
   ws       workspace_bytes=4 N D + 256 MiB
   compile  torch.compile of the eager composition (F.linear, then F.cross_entropy in float32), as `logitless bench`
   floor3   three cuBLAS products on a stored N x V bf16 gradient: x @ W.T, dz @ W, dz.T @ x (the dense floor)
@@ -147,10 +149,11 @@ def main(argv=None) -> int:
               f" MiB): own accumulator {plan.own_acc}, scratch up to {plan.scratch / 2**20:.0f} MiB; stashed classes"
               f" lean {lay0.classes if lay0 else 0}, default {lay.classes if lay else 0}", flush=True)
 
-        def lce(ws):
+        def lce(ws, **knobs):
             def run():
                 x.grad = w.grad = None
-                logitless.linear_cross_entropy(x, w, t, backend="triton", workspace_bytes=ws).backward()
+                with kernels.tuning(**knobs):
+                    logitless.linear_cross_entropy(x, w, t, backend="triton", workspace_bytes=ws).backward()
                 return x.grad, w.grad
             return run
 
@@ -174,6 +177,8 @@ def main(argv=None) -> int:
             return run
 
         provs = {"lean": lce(0), "default": lce(None), "ws": lce(ws_big)}
+        if plan.own_acc:  # the default budget with the accumulator in dW's last rows instead, all of it scratch
+            provs["borrow"] = lce(None, own_accumulator=False)
         if compiled is not None:
             provs["compile"] = run_compile
         provs["floor3"] = floor(3, wd, dz)
@@ -182,11 +187,12 @@ def main(argv=None) -> int:
             provs["floor3p"] = floor(3, wp, dzp)
         # Checks (and the first call of each: compilation) before anything is timed.
         grads = {}
-        for k in ("lean", "default", "ws"):
+        checked = [k for k in ("lean", "default", "ws", "borrow") if k in provs]
+        for k in checked:
             gx, gw = provs[k]()
             grads[k] = (gx.detach().clone(), gw.detach().clone())
         diffs = {}
-        for k in ("default", "ws"):
+        for k in checked[1:]:
             diffs[k] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
                            for a, b in zip(grads[k], grads["lean"], strict=True))
         # (in grad mode, as timed: torch.compile would compile a no-grad graph of its own)
@@ -221,14 +227,15 @@ def main(argv=None) -> int:
                                for k, v in med.items()), flush=True)
         print(f"  default / lean {med['default'] / med['lean']:.3f}, default / ws {med['default'] / med['ws']:.3f}"
               + (f", default / compile {med['default'] / med['compile']:.3f}" if "compile" in med else "")
-              + f", default / floor {med['default'] / fl:.3f}; grads vs lean: default {diffs['default']:.1e},"
-              f" ws {diffs['ws']:.1e}; losses " + " ".join(f"{k} {v:.5f}" for k, v in losses.items()), flush=True)
+              + f", default / floor {med['default'] / fl:.3f}; grads vs lean: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
+              + "; losses " + " ".join(f"{k} {v:.5f}" for k, v in losses.items()), flush=True)
     with kernels.tuning(scratch_bytes=smoke_scratch if args.smoke else kernels.current_tuning().scratch_bytes):
         for name, (N, D, V) in shapes:
             run_shape(name, N, D, V)
             if cuda:
                 torch.cuda.empty_cache()
-    cols = ["lean", "default", "ws", "compile", "floor3", "floor4", "floor3p"]
+    cols = ["lean", "default", "borrow", "ws", "compile", "floor3", "floor4", "floor3p"]
     print("\n| shape (N, D, V) | " + " | ".join(cols) + " | default / lean | default / ws | default / compile |"
           " default / floor |")
     print("| --- " * (len(cols) + 5) + "|")

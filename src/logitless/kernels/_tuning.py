@@ -32,6 +32,10 @@ class Tuning:
     # force many chunks. A larger workspace budget buys a larger scratch and, past 4 N D bytes more, a float32 dx
     # accumulator of its own.
     scratch_bytes: int = 8 << 20
+    # Whether a budget past 4 N D bytes buys the bf16/fp16 backward's float32 dx accumulator a buffer of its own
+    # (True) or leaves it in the weight gradient's last rows and gives the whole budget to the scratch (False);
+    # None: the policy's choice (plans._workspace). A/B runs of the policy use it.
+    own_accumulator: bool | None = None
     # The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
     # (torch.mm / torch.addmm with a float32 output for dx) instead of _dgrad_kernel. None: for bfloat16 / float16
     # on CUDA, without skipping or a vocabulary order, where torch has matmuls with a float32 output (>= 2.8). True

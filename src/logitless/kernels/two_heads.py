@@ -534,10 +534,18 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     scratch = []
 
     def scratch_view(cols):
-        n = N * cols
+        # rows plans.dz_cols(cols) apart where the scratch holds them (cuBLAS's aligned products)
+        ld = plans.dz_cols(cols)
+        if N * ld * xs.element_size() > max(ws_plan.scratch, N * cols * xs.element_size()):
+            ld = cols
+        n = N * ld
         if not scratch or scratch[0].numel() < n:
             scratch[:] = [new_buffer(max(ws_plan.scratch // xs.element_size(), n), device=xs.device, dtype=xs.dtype)]
-        return scratch[0][:n].view(N, cols)
+        return scratch[0][:n].view(N, ld)[:, :cols]
+
+    def dz_in_dw(start, cols):
+        ld = plans.dz_cols(cols)
+        return dw.view(-1)[start: start + N * ld].view(N, ld)[:, :cols]
 
     def dz_pass(v0, v1, dz, with_db):
         store = dz is not None
@@ -559,7 +567,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     for v0, v1, dz_at, _ in plans._first_pass(N, V, D, cfg, plan, False, need_dz, None):
         dz = None
         if dz_at is not None:
-            dz = dw.view(-1)[dz_at: dz_at + N * (v1 - v0)].view(N, v1 - v0)
+            dz = dz_in_dw(dz_at, v1 - v0)
         elif need_dz:
             dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else scratch_view(v1 - v0)
         dz_pass(v0, v1, dz, need_db)
@@ -573,7 +581,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         # The dW rows that held the dx accumulator: recomputed now that dx is final.
         for v0, v1, in_dw in plans._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False, ws_plan.scratch):
             if in_dw:
-                dz = dw.view(-1)[v1 * D: v1 * D + N * (v1 - v0)].view(N, v1 - v0)
+                dz = dz_in_dw(v1 * D, v1 - v0)
             else:
                 dz = scratch_view(v1 - v0)
             dz_pass(v0, v1, dz, False)

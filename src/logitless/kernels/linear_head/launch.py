@@ -234,8 +234,21 @@ class _Backward:
         return self.scratch.view(dtype)[:n].view(shape)
 
     def dw_rows(self, start, n):
-        # n elements of dW's storage from element `start` (rows not written yet), as an (N, n / N) dz
+        # n elements of dW's storage from element `start` (rows not written yet)
         return self.dw.view(-1)[start: start + n]
+
+    def dz_in_dw(self, start, cols):
+        # The (N, cols) dz of a chunk in dW rows not written yet, from element `start`, rows dz_cols(cols) apart
+        # (the planners leave room for them)
+        ld = plans.dz_cols(cols)
+        return self.dw_rows(start, self.N * ld).view(self.N, ld)[:, :cols]
+
+    def dz_in_scratch(self, cols):
+        # The (N, cols) dz of a chunk in the scratch, rows dz_cols(cols) apart where the scratch holds them
+        ld = plans.dz_cols(cols)
+        if self.N * ld * self.x.element_size() > max(self.ws.scratch, self.N * cols * self.x.element_size()):
+            ld = cols
+        return self.scratch_view((self.N, ld), self.x.dtype)[:, :cols]
 
     def run(self, need_dx, need_dw, need_db):
         N, V, D, cfg, plan = self.N, self.V, self.D, self.cfg, self.plan
@@ -253,10 +266,9 @@ class _Backward:
                 first = False
                 continue
             if dz_at is not None:
-                dz = self.dw_rows(dz_at, N * (v1 - v0)).view(N, v1 - v0)
+                dz = self.dz_in_dw(dz_at, v1 - v0)
             elif need_dz:
-                dz = (plan.dz_main[:, : v1 - v0] if plan.dz_main is not None
-                      else self.scratch_view((N, v1 - v0), self.x.dtype))
+                dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else self.dz_in_scratch(v1 - v0)
             self.dz_pass(v0, v1, dz, need_db)
             if need_dz:
                 self.grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
@@ -274,9 +286,9 @@ class _Backward:
                                                     self.ws.scratch):
                 room = None
                 if in_dw:
-                    dz = self.dw_rows(v1 * D, N * (v1 - v0)).view(N, v1 - v0)
+                    dz = self.dz_in_dw(v1 * D, v1 - v0)
                 else:
-                    dz = self.scratch_view((N, v1 - v0), self.x.dtype)
+                    dz = self.dz_in_scratch(v1 - v0)
                     # The dW rows after the chunk are not written yet (its classes' rows are its own, also with an
                     # order): room for the split partials of its few long dW tiles, 16-byte aligned.
                     lo, hi = cdiv(v1 * D, 8) * 8, V * D // 8 * 8

@@ -313,6 +313,13 @@ def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
     return cols // block * block if cols >= block else max(cols, 1)
 
 
+def dz_cols(cols: int) -> int:
+    """Row stride, in elements, of a chunk's dz of `cols` classes: a multiple of 8 (16-byte rows in bf16/fp16).
+    cuBLAS's products leave their fast path at an unaligned row stride (products.py); the last chunk of an odd
+    vocabulary has an odd width."""
+    return cdiv(cols, 8) * 8
+
+
 def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: int | None = None,
                   wide: int | None = None) -> int:
     # Classes of dz in a scratch of `scratch` bytes (Tuning.scratch_bytes by default). Aligned, a chunk of one tile may
@@ -356,7 +363,8 @@ def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, ac
     acc = 4 * N * D
     if acc_forced:
         return _Workspace(max(base, budget - acc), True)
-    if elt != 4 and budget >= acc + base:
+    own = current_tuning().own_accumulator
+    if elt != 4 and budget >= acc + base and own is not False:
         return _Workspace(budget - acc, True)
     return _Workspace(budget, False)
 
@@ -377,6 +385,8 @@ def _second_pass(N: int, V: int, D: int, elt: int, cfg: Config, v0: int, aligned
     chunks = []
     while v0 < V:
         fits = _round_chunk((V - v0) * D // (N + D), cfg.block_v)
+        if fits >= 8:  # an in-dW chunk's dz rows of dz_cols(fits) elements fit in the rows after it
+            fits = fits // 8 * 8
         v1 = min(v0 + (fits if fits >= scratch_cols else scratch_cols), V)
         chunks.append((v0, v1, fits >= scratch_cols))
         v0 = v1
@@ -416,10 +426,13 @@ def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool,
     accumulator (8 N D bytes) and has few dW tiles when D is small, so wider chunks are cheaper: a chunk of up to
     cfg.wide classes puts its dz into dW rows that are not written yet and are not the accumulator's. The rows the
     first pass leaves to the second ([dw_end, V), dx only) go next, their dz at the start of dW's unwritten rows;
-    then the rest of [0, dw_end) in order, each chunk's dz in the rows after it while v1 D + N c <= dw_free."""
+    then the rest of [0, dw_end) in order, each chunk's dz in the rows after it while v1 D + N c <= dw_free. A dz
+    of c classes takes N dz_cols(c) elements."""
     def chunk(v0, v_end, fits):
         c = _round_chunk(min(fits, cfg.wide), cfg.block_v, aligned) if wide_ok else 0
-        if plan.chunk < c <= fits:
+        if 8 <= c < cfg.block_v:  # (under a tile: a multiple of 8 still, as dz's rows are dz_cols(c) apart)
+            c = c // 8 * 8
+        if plan.chunk < c <= fits and dz_cols(min(c, v_end - v0)) <= fits:
             return min(v0 + c, v_end), True
         return min(v0 + plan.chunk, v_end), False
 
