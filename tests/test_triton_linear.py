@@ -1314,3 +1314,31 @@ def test_narrow_heads_keep_dz_in_float32(dtype):
     testing.naive_linear_cross_entropy(x64, w64, t, z_loss=1e-3).backward()
     err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     assert err(gx, x64.grad) <= err(hx, x64.grad) and err(gw, w64.grad) <= err(hw, w64.grad)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_softcap_dz_tiles(tune, monkeypatch, softcap):
+    # With a softcap, the dz launches that recompute their logits take Config.cap_dz_block_v classes (the slope is
+    # one more live tile), the stash's launches the forward's tile (its layout); without one, dz_block_v everywhere.
+    # The gradients stay within the rule either way.
+    tune(torch_products=True, linear_config=lh_configs.interpreter_config())
+    cfg = lh_configs.interpreter_config()
+    assert cfg.cap_dz_block_v not in (0, cfg.dz_block_v)
+    seen = []
+    real = lh_kernels._dz_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append((kw["BLOCK_V"], kw["LOAD_Z"]))
+                return launch(*a, **kw)
+            return run
+
+    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
+    x, w, b, t = case(torch.bfloat16, n=48, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
+    lce_check(x, w, b, t, softcap=softcap)
+    recomputed = {bv for bv, stashed in seen if not stashed}
+    assert recomputed == {cfg.cap_dz_block_v if softcap else cfg.dz_block_v}, seen
+    assert all(bv == cfg.block_v for bv, stashed in seen if stashed)

@@ -409,8 +409,18 @@ def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
 def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
              need_dw, need_db, workspace_bytes):
     """(dx_s, dW_s, db_s) for the upstream per-row gradient g; a gradient not asked for is empty."""
-    from .kernels import two_heads
+    from .kernels import current_tuning, two_heads
 
+    if xs.dtype != torch.float32 and 0 < xs.shape[1] < current_tuning().narrow_d:
+        # A student of a handful of features (as linear_head's narrow rule): dL/dz rounded to bf16 / fp16 before
+        # the products is then the whole error, and a sum over a few nearly cancelling terms amplifies it (D = 1:
+        # one bf16 ulp of d_input where PyTorch's rounds to the nearest). The PyTorch path's backward keeps dz in
+        # float32, chunked, on the kernels' statistics; at this width its products cost next to nothing.
+        a = TwoHeadArgs(xs, ws, bs, xt, wt, bt, None, xs.shape[:-1])
+        st = RowStats(m_s, logs_s, m_t, logs_t, None, None)
+        out = torch_backward(a, kind, beta, softcap, inv_temp, st, R if kind == "jsd" else R[0], g.float(),
+                             (need_dx, need_dw, bs is not None and need_db))
+        return tuple(t if t is not None else xs.new_empty(0) for t in out)
     bs = None if bs is None else bs.contiguous()
     bt = None if bt is None else bt.contiguous()
     out = two_heads.backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g.float().contiguous(),

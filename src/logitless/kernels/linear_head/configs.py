@@ -35,6 +35,10 @@ class Config:
     group: int  # programs that run together share this many token blocks (their operands stay in L2)
     waves: int  # forward: programs per multiprocessor of the equal-split layout _fwd_layout starts from (and bounds)
     dz_block_v: int  # classes per dz tile (its epilogue is heavier than the forward's)
+    # With a softcap, the dz tiles that recompute their logits (not the stash's, not when skipping) take this many
+    # classes and pipeline stages (0: dz_block_v, fwd_stages): the softcap's slope is one more live tile.
+    cap_dz_block_v: int = 0
+    cap_dz_stages: int = 0
     tma: bool = False  # forward / dz operands through tensor descriptors (the copy engine) where possible
     balance: bool = True  # split the dW reduction when a chunk's few long dW tiles would idle most of the GPU
     wide: int = 4096  # first-pass chunks up to this many classes while their dz fits in unwritten dW rows
@@ -66,10 +70,13 @@ def hopper_config() -> Config:
     (tl.range(flatten=True)) was 30% slower. The gradient products' operands through descriptors too (fwd+bwd 1-4%
     faster). First-pass chunks of up to 8192 classes (against 4096: half the dx accumulator's round trips at
     llama3-8b and mistral-nemo; fwd+bwd 0.4-1.2% faster at four shapes in an interleaved A/B, gradients bitwise the
-    same)."""
+    same). With a softcap, dz tiles of 128 x 128 x 64 in 4 stages: its slope is a second live 128 x 256 tile, and
+    at 128 x 256 the dz kernel took 2 x its time without a softcap (H100, softcap 30, no stash: dz kernel 28.1 ->
+    14.9 ms at qwen3-small, 32.5 -> 21.4 at gemma2-2b; 3 stages 16.7 / 24.7)."""
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
-                  group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768)
+                  group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768,
+                  cap_dz_block_v=128, cap_dz_stages=4)
 
 
 def small_smem_config() -> Config:
@@ -93,7 +100,7 @@ def interpreter_config() -> Config:
     every direction."""
     return Config(block_n=32, block_v=64, block_k=32, fwd_warps=1, fwd_stages=1,
                   block_m=32, block_d=32, block_kg=32, grad_warps=1, grad_stages=1,
-                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16, skip_wide=320)
+                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16, skip_wide=320, cap_dz_block_v=32)
 
 
 def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:

@@ -215,6 +215,11 @@ class _Backward:
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
+        # With a softcap, the recomputing dz launches take their own tiles (Config.cap_dz_block_v; the stash's and
+        # skipping's tiles are the forward's)
+        self.cap_tiles = softcap is not None and sp is None and cfg.cap_dz_block_v not in (0, cfg.dz_block_v)
+        if self.cap_tiles:
+            self.cap_x, self.cap_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.cap_dz_block_v, cfg.block_k)
         self.scratch = None
         self.x_desc = None  # the gradient products' descriptor of x, made once
         self.dx_split = dx_split  # programs per dx tile in skipping launches of both products (the budget's choice)
@@ -309,8 +314,11 @@ class _Backward:
             zo = self.stash_zo[v0 // cfg.block_v:]
         b, target, class_w, B, C, E = self.b, self.target, self.class_w, self.B, self.C, self.E
         x, w = self.x, self.w
-        bk._dz_kernel[(self.n_blocks * cdiv(v1 - v0, cfg.dz_block_v),)](
-            self.dz_x, self.dz_w, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
+        bv, stages, ox, ow = cfg.dz_block_v, cfg.fwd_stages, self.dz_x, self.dz_w
+        if self.cap_tiles and not stashed:
+            bv, stages, ox, ow = cfg.cap_dz_block_v, cfg.cap_dz_stages or cfg.fwd_stages, self.cap_x, self.cap_w
+        bk._dz_kernel[(self.n_blocks * cdiv(v1 - v0, bv),)](
+            ox, ow, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
             self.sp.hot if self.skip else None, dz, dbp, zs, zo, self.At,
             N, self.D, v0, v1, self.n_vtiles,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
@@ -320,10 +328,10 @@ class _Backward:
             HAS_B=B is not None, HAS_C=C is not None and target is not None, HAS_E=E is not None,
             HAS_CLASS_WEIGHT=class_w is not None, STORE_DZ=store, HAS_DB=with_db, HAS_PERM=self.has_perm,
             SKIP=self.skip, LOAD_Z=stashed,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.dz_block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+            BLOCK_N=cfg.block_n, BLOCK_V=bv, BLOCK_K=cfg.block_k, GROUP=cfg.group,
             EVEN_K=self.D % cfg.block_k == 0, **self.dot,
             USE_TMA=self.dz_tma, HAS_AT=self.At is not None and C is not None and target is not None,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+            FINE_SLOPE=x.dtype == torch.float32, num_warps=cfg.fwd_warps, num_stages=stages,
         )
         if with_db:
             torch.sum(dbp, dim=0, out=self.db[v0:v1])
