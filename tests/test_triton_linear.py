@@ -1321,9 +1321,10 @@ def test_softcap_dz_tiles(tune, monkeypatch, softcap):
     # With a softcap, the dz launches that recompute their logits take Config.cap_dz_block_v classes (the slope is
     # one more live tile), the stash's launches the forward's tile (its layout); without one, dz_block_v everywhere.
     # The gradients stay within the rule either way.
-    tune(torch_products=True, linear_config=lh_configs.interpreter_config())
-    cfg = lh_configs.interpreter_config()
-    assert cfg.cap_dz_block_v not in (0, cfg.dz_block_v)
+    # (the interpreter's own config keeps one dz tile: numpy's products round differently per tile shape, and the
+    # backward's logits must be the forward's bitwise; at this scale the difference is within the rule)
+    cfg = lh_configs.interpreter_config().replace(cap_dz_block_v=32)
+    tune(torch_products=True, linear_config=cfg)
     seen = []
     real = lh_kernels._dz_kernel
 

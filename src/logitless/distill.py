@@ -415,10 +415,14 @@ def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta,
         # A student of a handful of features (as linear_head's narrow rule): dL/dz rounded to bf16 / fp16 before
         # the products is then the whole error, and a sum over a few nearly cancelling terms amplifies it (D = 1:
         # one bf16 ulp of d_input where PyTorch's rounds to the nearest). The PyTorch path's backward keeps dz in
-        # float32, chunked, on the kernels' statistics; at this width its products cost next to nothing.
+        # float32, chunked; at this width its products cost next to nothing. Its statistics are its own pass: the
+        # kernels' are of other roundings of the same logits, and a recomputed logit must meet its own maximum
+        # exactly (at V = 1 the gradient is exactly 0, and was 1.6e-8 on the kernels' statistics).
         a = TwoHeadArgs(xs, ws, bs, xt, wt, bt, None, xs.shape[:-1])
-        st = RowStats(m_s, logs_s, m_t, logs_t, None, None)
-        out = torch_backward(a, kind, beta, softcap, inv_temp, st, R if kind == "jsd" else R[0], g.float(),
+        st = torch_stats(a, kind, beta, softcap, inv_temp)
+        _, R, t_ref, t_aux = row_loss(kind, beta, st)
+        st = RowStats(st.m_s, st.logs_s, t_ref, t_aux, None, None)
+        out = torch_backward(a, kind, beta, softcap, inv_temp, st, R, g.float(),
                              (need_dx, need_dw, bs is not None and need_db))
         return tuple(t if t is not None else xs.new_empty(0) for t in out)
     bs = None if bs is None else bs.contiguous()
