@@ -534,18 +534,14 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     scratch = []
 
     def scratch_view(cols):
-        # rows plans.dz_cols(cols) apart where the scratch holds them (cuBLAS's aligned products)
-        ld = plans.dz_cols(cols)
-        if N * ld * xs.element_size() > max(ws_plan.scratch, N * cols * xs.element_size()):
-            ld = cols
-        n = N * ld
-        if not scratch or scratch[0].numel() < n:
-            scratch[:] = [new_buffer(max(ws_plan.scratch // xs.element_size(), n), device=xs.device, dtype=xs.dtype)]
-        return scratch[0][:n].view(N, ld)[:, :cols]
+        ld = plans.scratch_ld(N, cols, xs.element_size(), ws_plan.scratch)
+        if not scratch or scratch[0].numel() < N * ld:
+            scratch[:] = [new_buffer(max(ws_plan.scratch // xs.element_size(), N * ld), device=xs.device,
+                                     dtype=xs.dtype)]
+        return plans.dz_rows(scratch[0], N, cols, ld)
 
     def dz_in_dw(start, cols):
-        ld = plans.dz_cols(cols)
-        return dw.view(-1)[start: start + N * ld].view(N, ld)[:, :cols]
+        return plans.dz_rows(dw.view(-1)[start:], N, cols)
 
     def dz_pass(v0, v1, dz, with_db):
         store = dz is not None

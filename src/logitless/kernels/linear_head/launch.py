@@ -238,21 +238,13 @@ class _Backward:
             self.scratch = new_buffer(cdiv(nbytes, 4), **self.f32)
         return self.scratch.view(dtype)[:n].view(shape)
 
-    def dw_rows(self, start, n):
-        # n elements of dW's storage from element `start` (rows not written yet)
-        return self.dw.view(-1)[start: start + n]
-
     def dz_in_dw(self, start, cols):
-        # The (N, cols) dz of a chunk in dW rows not written yet, from element `start`, rows dz_cols(cols) apart
-        # (the planners leave room for them)
-        ld = plans.dz_cols(cols)
-        return self.dw_rows(start, self.N * ld).view(self.N, ld)[:, :cols]
+        # The (N, cols) dz of a chunk in dW rows not written yet, from element `start` (the planners leave room for
+        # its padded rows)
+        return plans.dz_rows(self.dw.view(-1)[start:], self.N, cols)
 
     def dz_in_scratch(self, cols):
-        # The (N, cols) dz of a chunk in the scratch, rows dz_cols(cols) apart where the scratch holds them
-        ld = plans.dz_cols(cols)
-        if self.N * ld * self.x.element_size() > max(self.ws.scratch, self.N * cols * self.x.element_size()):
-            ld = cols
+        ld = plans.scratch_ld(self.N, cols, self.x.element_size(), self.ws.scratch)
         return self.scratch_view((self.N, ld), self.x.dtype)[:, :cols]
 
     def run(self, need_dx, need_dw, need_db):

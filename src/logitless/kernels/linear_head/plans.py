@@ -320,6 +320,19 @@ def dz_cols(cols: int) -> int:
     return cdiv(cols, 8) * 8
 
 
+def scratch_ld(N: int, cols: int, elt: int, scratch: int) -> int:
+    """dz's row stride in a scratch of `scratch` bytes: dz_cols(cols) where the padded rows fit in it, else cols (a
+    chunk wider than the scratch has a buffer of its own size)."""
+    ld = dz_cols(cols)
+    return ld if N * ld * elt <= max(scratch, N * cols * elt) else cols
+
+
+def dz_rows(flat: torch.Tensor, N: int, cols: int, ld: int | None = None) -> torch.Tensor:
+    """The (N, cols) dz of a chunk at the start of the 1-D view `flat`, rows `ld` (default dz_cols(cols)) apart."""
+    ld = dz_cols(cols) if ld is None else ld
+    return flat[: N * ld].view(N, ld)[:, :cols]
+
+
 def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: int | None = None,
                   wide: int | None = None) -> int:
     # Classes of dz in a scratch of `scratch` bytes (Tuning.scratch_bytes by default). Aligned, a chunk of one tile may
