@@ -1,0 +1,77 @@
+"""Whether fwd+bwd time depends on where the caching allocator places the backward's buffers: per shape, the
+default plan and `workspace_bytes=4 N D + 256 MiB` timed after a padding allocation of each of several sizes, the
+two alternating. A ratio between the two plans that holds at every placement is the plans'; one that comes and goes
+is the placement's (or the clocks').
+
+    PYTHONPATH=src python tools/gpu_placement.py [--shapes qwen-7b,gpt2,mistral-nemo] [--reps 5]
+
+Per placement: torch.cuda.empty_cache(), a padding tensor of PAD MiB + 4 KiB, one warm-up call per plan, then the
+median of --reps calls (CUDA events around each). bf16, logitless.bench.data "lm" heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+PADS_MIB = (0, 1, 7, 64, 130, 333, 1000, 2049)
+
+
+def main(argv=None):
+    import logitless
+    from logitless.bench import data
+    from logitless.bench.cases import PRESETS
+
+    shapes = {"qwen-7b": (16384, 3584, 151655), "gpt2": (16384, 768, 50257), **PRESETS}
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="qwen-7b,gpt2,mistral-nemo")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; pads (MiB) {PADS_MIB}", flush=True)
+    for name in args.shapes.split(","):
+        N, D, V = shapes[name]
+        head = data.make_head("lm", N, D, V, dtype=torch.bfloat16, device="cuda", seed=0)
+        x = head.input.detach().requires_grad_(True)
+        w = head.weight.detach().requires_grad_(True)
+        t = head.target
+        del head
+
+        def run(ws, x=x, w=w, t=t):
+            x.grad = w.grad = None
+            logitless.linear_cross_entropy(x, w, t, backend="triton", workspace_bytes=ws).backward()
+
+        plans = {"default": None, "ws": 4 * N * D + (256 << 20)}
+        for ws in plans.values():
+            run(ws)
+        torch.cuda.synchronize()
+        res: dict[str, list[float]] = {k: [] for k in plans}
+        for i, pad_mib in enumerate(PADS_MIB):
+            torch.cuda.empty_cache()
+            pad = torch.empty((pad_mib << 20) + 4096, dtype=torch.uint8, device="cuda")
+            order = list(plans.items()) if i % 2 == 0 else list(plans.items())[::-1]
+            for k, ws in order:
+                run(ws)
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(args.reps):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    run(ws)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    ts.append(e0.elapsed_time(e1))
+                res[k].append(statistics.median(ts))
+            del pad
+        ratios = [a / b for a, b in zip(res["default"], res["ws"], strict=True)]
+        print(f"{name} (N={N}, D={D}, V={V}) ms per placement:", flush=True)
+        for k, vs in res.items():
+            print(f"  {k:8s} " + " ".join(f"{v:6.1f}" for v in vs), flush=True)
+        print("  default / ws " + " ".join(f"{r:5.3f}" for r in ratios), flush=True)
+
+
+if __name__ == "__main__":
+    main()
