@@ -3,6 +3,7 @@
     mkdir old && git archive REV src/logitless/kernels | tar -x -C old    # another revision's kernels package
     PYTHONPATH=src python tools/gpu_ab.py --old old/src/logitless/kernels [--shapes gemma2-2b,...] [--rounds 6]
         [--reps 5] [--json FILE] [--set stash_logits=False ...] [--also OTHER_KERNELS_DIR ...] [--cases fwdbwd]
+        [--softcap 30]
     PYTHONPATH=src python tools/gpu_ab.py --kernels cross_entropy --old old/src/logitless/kernels [--rounds 6]
 
 A version is a kernels package (the folder src/logitless/kernels of some revision) with a kernels.Tuning. "A" is the
@@ -87,10 +88,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
 
 
-def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp", "fwd", "fwdbwd")) -> dict:
+def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp", "fwd", "fwdbwd"),
+              softcap=None) -> dict:
     N, D, V = SHAPES[shape] if shape in SHAPES else (int(n) for n in shape.split("x"))
     head = data.uniform(N, D, V, device="cuda")
-    fwd, logp, fwdbwd = head_steps(head.input, head.weight, head.target)
+    fwd, logp, fwdbwd = head_steps(head.input, head.weight, head.target, softcap=softcap)
 
     out = {}
     names = list(versions)
@@ -181,6 +183,7 @@ def main():
                     help="another version: the package's own kernels with kernels.Tuning fields set, e.g. "
                          "stash_logits=False (repeatable; named C, D, ...)")
     ap.add_argument("--cases", default="logp,fwd,fwdbwd", help="what to time (linear_head): logp, fwd, fwdbwd")
+    ap.add_argument("--softcap", type=float, default=None, help="the calls' softcap (linear_head)")
     a = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -226,7 +229,7 @@ def main():
     cases = a.cases.split(",")
     try:
         for shape in a.shapes.split(","):
-            r = run_shape(shape, versions, a.rounds, a.reps, cases)
+            r = run_shape(shape, versions, a.rounds, a.reps, cases, a.softcap)
             res[shape] = r
             print(f"{shape}: mm {r['mm_ms']:.2f} ms; " + "; ".join(
                 f"{c} " + " ".join(f"{n} {r[f'{n} {c}_ms']:.2f}" for n in versions)

@@ -119,21 +119,21 @@ def check_full(head, with_grads):
     return out
 
 
-def head_steps(x, w, t):
+def head_steps(x, w, t, **opts):
     """The timed calls on one head (x, W, targets): the loss without grad, no-grad log-probs, and forward + backward
-    of the mean loss (returns loss, d_input, d_weight)."""
+    of the mean loss (returns loss, d_input, d_weight); opts (e.g. softcap) go to every call."""
     xl, wl = leaf(x), leaf(w)
 
     def fwd():
         with torch.no_grad():
-            return logitless.linear_cross_entropy(x, w, t, backend="triton")
+            return logitless.linear_cross_entropy(x, w, t, backend="triton", **opts)
 
     def logp():
         with torch.no_grad():
-            return logitless.linear_log_probs(x, w, t, backend="triton")
+            return logitless.linear_log_probs(x, w, t, backend="triton", **opts)
 
     def fwdbwd():
-        loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton")
+        loss = logitless.linear_cross_entropy(xl, wl, t, backend="triton", **opts)
         return (loss, *torch.autograd.grad(loss, (xl, wl)))
 
     return fwd, logp, fwdbwd

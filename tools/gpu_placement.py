@@ -24,7 +24,7 @@ def main(argv=None):
     from logitless.bench import data
     from logitless.bench.cases import PRESETS
 
-    shapes = {"qwen-7b": (16384, 3584, 151655), "gpt2": (16384, 768, 50257), **PRESETS}
+    shapes = {**PRESETS, "qwen-7b": (16384, 3584, 151655), "gpt2": (16384, 768, 50257)}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="qwen-7b,gpt2,mistral-nemo")
     p.add_argument("--reps", type=int, default=5)

@@ -41,7 +41,7 @@ from ._device import LOG2E, cast, exp, mma
 from ._tuning import current_tuning
 from .linear_head import plans
 from .linear_head.configs import Config, descriptor, dot_flags, fp32_config, operands, tma_ok, use_tma
-from .linear_head.products import _MM_OUT_DTYPE, _products_torch
+from .linear_head.products import _MM_OUT_DTYPE, _Fp32Reductions, _products_torch
 from .linear_head.tiles import grouped, logits_tile, rescale_ent, transform
 
 
@@ -559,29 +559,32 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
     need_dz = need_dx or need_dw
-    first = True
-    for v0, v1, dz_at, _ in plans._first_pass(N, V, D, cfg, plan, False, need_dz, None):
-        dz = None
-        if dz_at is not None:
-            dz = dz_in_dw(dz_at, v1 - v0)
-        elif need_dz:
-            dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else scratch_view(v1 - v0)
-        dz_pass(v0, v1, dz, need_db)
-        if need_dz:
-            dw_rows = dw[v0:v1] if need_dw and v1 <= plan.dw_end else None
-            _products(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
-            first = False
-    if need_dx and plan.cast_dx:
-        dx.copy_(plan.dx_acc)
-    if need_dw and plan.dw_end < V:
-        # The dW rows that held the dx accumulator: recomputed now that dx is final.
-        for v0, v1, in_dw in plans._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False, ws_plan.scratch):
-            if in_dw:
-                dz = dz_in_dw(v1 * D, v1 - v0)
-            else:
-                dz = scratch_view(v1 - v0)
-            dz_pass(v0, v1, dz, False)
-            _products(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
+    # cuBLAS's float32-reduction settings saved and restored once, not around each chunk's products
+    with _Fp32Reductions():
+        first = True
+        for v0, v1, dz_at, _ in plans._first_pass(N, V, D, cfg, plan, False, need_dz, None):
+            dz = None
+            if dz_at is not None:
+                dz = dz_in_dw(dz_at, v1 - v0)
+            elif need_dz:
+                dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else scratch_view(v1 - v0)
+            dz_pass(v0, v1, dz, need_db)
+            if need_dz:
+                dw_rows = dw[v0:v1] if need_dw and v1 <= plan.dw_end else None
+                _products(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
+                first = False
+        if need_dx and plan.cast_dx:
+            dx.copy_(plan.dx_acc)
+        if need_dw and plan.dw_end < V:
+            # The dW rows that held the dx accumulator: recomputed now that dx is final.
+            for v0, v1, in_dw in plans._second_pass(N, V, D, xs.element_size(), cfg, plan.dw_end, False,
+                                                    ws_plan.scratch):
+                if in_dw:
+                    dz = dz_in_dw(v1 * D, v1 - v0)
+                else:
+                    dz = scratch_view(v1 - v0)
+                dz_pass(v0, v1, dz, False)
+                _products(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
     return dx, dw, None if db is None else db.to(bs.dtype)
 
 

@@ -51,7 +51,7 @@ def _fwd_step(
     RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr, HALF_TANH: tl.constexpr,
 ):
     """One vocabulary tile of _fwd_kernel: the tile at col0 folded into the rows' running statistics; returns them
     and the next tile's col0. STASH: the tile's logits are also kept for the backward (STASH_TMA: zs_out is a
@@ -61,7 +61,8 @@ def _fwd_step(
     cls = classes(perm_ptr, cols, col_ok, HAS_PERM)
     acc = logits_tile(x_ptr, w_ptr, perm_ptr, row0, col0, N, V, D, stride_xn, stride_xd, stride_wv, stride_wd,
                        HAS_PERM, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA)
-    z, zc, _ = transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
+    z, zc, _ = transform(acc, b_ptr, cls, col_ok, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, False,
+                         HALF_TANH)
     # Classes past V (only in the last tile unless EVEN_V) hold finite values and must not count: the masked
     # fold runs on that tile alone, since the epilogue is on the critical path. (With EVEN_V, a constant, the
     # `or` is decided at compile time: no run-time test.)
@@ -134,7 +135,7 @@ def _fwd_kernel(
     RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr, HALF_TANH: tl.constexpr,
 ):
     # Two phases of programs (_fwd_layout): first n_big splits of tiles_big tiles for every token block, then the
     # rest of each block's tiles in n_small splits of tiles_small, which fill the multiprocessors the first phase
@@ -180,7 +181,7 @@ def _fwd_kernel(
                 pid_n, row0, rows, row_ok, tgt, col0, m, s, zt, sw, ent, wsum, rest,
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
                 RECORD_TILES, phase == 0, STASH_TMA and phase == 0, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
-                DOT_PRECISION, UPCAST, USE_TMA, EVEN_V, HAS_REST)
+                DOT_PRECISION, UPCAST, USE_TMA, EVEN_V, HAS_REST, HALF_TANH)
     out = split.to(tl.int64) * N + rows
     tl.store(m_out + out, m, mask=row_ok)
     tl.store(s_out + out, s, mask=row_ok)

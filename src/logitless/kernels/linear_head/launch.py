@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .._common import INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
@@ -69,7 +71,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None, STASH=stash is not None,
         STASH_TMA=stash_tma, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0, HAS_REST=has_rest,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        HALF_TANH=x.dtype != torch.float32, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
     _combine_kernel[(cdiv(N, block),)](
@@ -138,8 +140,12 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         def take(t):
             return None if t is None else t.index_select(0, rows)
         x, target, m, logs, A, C, At = (take(t) for t in (x, target, m, logs, A, C, At))
-    _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes, dx,
-              dw, db, lay, dx_split).run(need_dx, need_dw, need_db)
+    bw = _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes,
+                   dx, dw, db, lay, dx_split)
+    # cuBLAS's settings saved and restored once per backward, not around each chunk's products (~45 us of host
+    # time a chunk, which small heads wait on: products._Fp32Reductions is reentrant, the inner ones cost nothing)
+    with products._Fp32Reductions() if bw.torch_products else contextlib.nullcontext():
+        bw.run(need_dx, need_dw, need_db)
     if rows is not None and dx is not None:
         dx = torch.empty_like(dx).index_copy_(0, rows, dx)
     if db is not None and perm is not None:
@@ -323,7 +329,8 @@ class _Backward:
             BLOCK_N=cfg.block_n, BLOCK_V=bv, BLOCK_K=cfg.block_k, GROUP=cfg.group,
             EVEN_K=self.D % cfg.block_k == 0, **self.dot,
             USE_TMA=self.dz_tma, HAS_AT=self.At is not None and C is not None and target is not None,
-            FINE_SLOPE=x.dtype == torch.float32, num_warps=cfg.fwd_warps, num_stages=stages,
+            FINE_SLOPE=x.dtype == torch.float32, HALF_TANH=x.dtype != torch.float32, num_warps=cfg.fwd_warps,
+            num_stages=stages,
         )
         if with_db:
             torch.sum(dbp, dim=0, out=self.db[v0:v1])

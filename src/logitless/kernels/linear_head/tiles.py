@@ -61,17 +61,21 @@ def classes(perm_ptr, cols, col_ok, HAS_PERM: tl.constexpr):
 @triton.jit
 def transform(acc, b_ptr, cols, col_ok, softcap, inv_temp,
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
-               FINE_SLOPE: tl.constexpr = False):
+               FINE_SLOPE: tl.constexpr = False, HALF_TANH: tl.constexpr = False):
     """Raw logits -> (z, zc, slope): zc = softcap * tanh((acc + b) / softcap) (or acc + b), z = zc * inv_temp, and
     slope = dzc / d(acc + b) (1.0 without a softcap; callers that do not use it pay nothing; FINE_SLOPE: tanh_slope's
-    finer form near 0, for a float32 dz). `cols` are class indices (masked by col_ok)."""
+    finer form near 0, for a float32 dz; HALF_TANH: its shorter form for bf16 / fp16 heads, and the softcap's
+    reciprocal taken once). `cols` are class indices (masked by col_ok)."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     zc = acc
     slope = 1.0
     if HAS_SOFTCAP:
-        th, slope = tanh_slope(acc / softcap, FINE_SLOPE)
+        if HALF_TANH:
+            th, slope = tanh_slope(acc * (1.0 / softcap), FINE_SLOPE, True)
+        else:
+            th, slope = tanh_slope(acc / softcap, FINE_SLOPE)
         zc = softcap * th
     z = zc
     if HAS_TEMP:

@@ -1,0 +1,14 @@
+"""Triton kernels and their launchers. No autograd and no reductions live here.
+
+- linear_head: a linear head z = x W^T (+ b) never stored whole: per-row statistics forward, one generic
+  coefficient backward (linear_cross_entropy, linear_log_probs, linear_logsumexp);
+- two_heads: two heads over one vocabulary (the distillation losses);
+- cross_entropy: cross-entropy on logits that already exist, with an in-place gradient.
+
+The tuning knobs those launchers read (tiles, workspaces, the stash, debug switches) are one object, Tuning; tests
+and tools change them for a block with `kernels.tuning(**overrides)`. Importing this package loads no kernel.
+"""
+
+from ._tuning import Tuning, current_tuning, tuning
+
+__all__ = ["Tuning", "current_tuning", "tuning"]

@@ -1,0 +1,135 @@
+"""The kernels' tuning knobs in one explicit object, read by the launchers at each launch.
+
+    from logitless import kernels
+    with kernels.tuning(scratch_bytes=0, stash_logits=False):
+        loss = logitless.linear_cross_entropy(x, w, t)
+        loss.backward()
+
+`Tuning` holds the defaults; `tuning(**overrides)` makes a copy with some fields changed the current one until the
+block ends (blocks nest); `current_tuning()` is what the launchers read. Tests, tools and A/B runs use it; a user
+has no need to.
+
+The current value is process-wide, not per thread or per context variable: autograd runs the backward of CUDA
+tensors on a thread of its own, which would not see a context variable set around `loss.backward()`, and the
+forward and backward must agree on the layouts that depend on these knobs (the stash, the vocabulary order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    # --- the linear-head kernels (kernels/linear_head)
+    # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.
+    linear_config: Any = None
+    # Bytes of the backward's one scratch buffer in the leanest plan (workspace_bytes <= scratch_bytes, e.g. 0):
+    # dL/dz of a vocabulary chunk when it cannot borrow a gradient buffer, and split-K partials. Tests shrink it to
+    # force many chunks. A larger workspace budget buys a larger scratch and, past 4 N D bytes more, a float32 dx
+    # accumulator of its own.
+    scratch_bytes: int = 8 << 20
+    # Whether a budget past 4 N D bytes buys the bf16/fp16 backward's float32 dx accumulator a buffer of its own
+    # (True) or leaves it in the weight gradient's last rows and gives the whole budget to the scratch (False);
+    # None: the policy's choice (plans._workspace). A/B runs of the policy use it.
+    own_accumulator: bool | None = None
+    # The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
+    # (torch.mm / torch.addmm with a float32 output for dx) instead of _dgrad_kernel. None: for bfloat16 / float16
+    # on CUDA, without skipping or a vocabulary order, where torch has matmuls with a float32 output (>= 2.8). True
+    # runs the same calls on the CPU (there in float32). H200: fwd+bwd 2-5% faster at D >= 2304, 5-6% at
+    # qwen3-small.
+    torch_products: bool | None = None
+    # The forward keeps the logits of the first classes for the backward where the weight's gradient buffer has
+    # room for them before it is written (stash_layout): their recomputation is skipped.
+    stash_logits: bool = True
+    # ... when it saves at least this many FLOP of recomputation (2 N D per stashed class): below, the stash's fixed
+    # costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.3% faster at qwen3-small's
+    # 2.2e11, 6.5% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-16% faster from 2.4e12 up.
+    stash_min_flop: float = 5e11
+    # The forward writes the stash through a tensor descriptor (the copy engine) where its operands use them and
+    # the stash's rows are 16-byte aligned (N % 8 == 0); else with pointer stores.
+    stash_tma: bool = True
+    # Below this many features, a half-precision backward runs on float32 copies of x and W: there the products
+    # cost next to nothing beside the dz pass, and dL/dz rounded to bf16 / fp16 before them is the whole error,
+    # which a sum over a few nearly cancelling terms amplifies (D = 1 and 3: 2-4 x PyTorch's own error, found by
+    # fuzzing). The copies take (N + 2 V) D float32 numbers.
+    narrow_d: int = 8
+    # Every output and workspace starts as NaN, so an element that is never written shows up (tests).
+    debug_poison: bool = False
+    # A list: each backward appends the SkipPlan it uses (tests and tools read them).
+    debug_plans: list | None = None
+    # Skipping, the backward groups rows by how many tiles they need (plans.skip_plan) so that a token block's rows
+    # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
+    # False keeps the rows' own order (tests that place hot tiles by row).
+    skip_group_rows: bool = True
+    # Skipping, the gradient products' launch runs its dx tiles first, those of the last token blocks (the rows that
+    # need the most tiles) before all others (backward_kernels._dgrad_kernel).
+    skip_dx_first: bool = True
+    # ... and deals each dx tile's reduction out to up to this many programs (float32 partials of dx, N x D each,
+    # within the memory budget, added in a fixed order): the rows grouped last need every tile, and their few dx
+    # tiles, each a reduction over the whole chunk, are the launch's critical path.
+    skip_dx_split: int = 4
+    # ... where at most this percentage of the plan's pairs is hot (decided on the device, no host sync).
+    skip_dx_deal_pct: float = 15.0
+
+    # --- the two-head kernels (kernels/two_heads)
+    # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.
+    two_heads_config: Any = None
+    # The dz kernel's tiles (block_n, block_v, block_k, warps, stages) on CUDA when they differ from the forward's;
+    # None: the forward's, with dz_block_v classes.
+    two_heads_dz: tuple[int, int, int, int, int] | None = None
+    # The dz kernel writes its tiles through a tensor descriptor (the copy engine) where the operands use them.
+    two_heads_dz_store_tma: bool = True
+    # Both heads' products in one reduction loop where they have one width and use descriptors.
+    two_heads_fused_k: bool = False
+
+    # --- cross_entropy on stored logits (kernels/cross_entropy)
+    # Columns per tile and tiles per program of the two-launch path (pass 1 reads tiles * tile columns of a row), and
+    # the narrowest tile (kernels/cross_entropy.py, config).
+    ce_tile_elems: int = 8192
+    ce_tiles_per_program: int = 4
+    ce_min_block_v: int = 1024
+    # In place, rows longer than one tile: program i reads work unit i (tiles of a row block) for the statistics and
+    # writes the gradient of the unit this many bytes of logits earlier (at least a whole row block), by then
+    # published and still in L2. H200 (bf16, 16384 x 128256 and 8192 x 256000): 8 MiB read 5% of the logits twice
+    # from DRAM under Nsight Compute, 32 MiB all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a
+    # second launch (two reads from DRAM).
+    ce_inplace_lag_bytes: int | None = 8 << 20
+    # ... and at most this many seconds of the device's peak DRAM bandwidth: the lag is best at about the same time
+    # of traffic on each GPU, not the same bytes. H100 (3.35 TB/s: 6.0 MB, 184 units): 3.43-3.45 / 3.66 ms at lags
+    # of 128-192 units against 3.79 / 3.84 ms at 256; an H200 (4.8 TB/s) keeps the 8 MiB it was tuned at.
+    ce_inplace_lag_seconds: float = 1.8e-6
+    ce_inplace_tiles_per_program: int = 2  # 4 was slower in place (docs/cross_entropy.md)
+    # The statistics alone (no gradient in the launch): tiles of ce_stats_tile_elems, ce_stats_tiles per program, in
+    # a loop software-pipelined ce_stats_stages deep (docs/cross_entropy.md).
+    ce_stats_tile_elems: int = 4096
+    ce_stats_tiles: int = 8
+    ce_stats_stages: int = 3
+
+
+DEFAULT = Tuning()
+_current = DEFAULT
+_lock = threading.Lock()
+
+
+def current_tuning() -> Tuning:
+    """The Tuning the launchers use now."""
+    return _current
+
+
+@contextlib.contextmanager
+def tuning(base: Tuning | None = None, /, **overrides):
+    """Within the block, the current Tuning is `base` (default: the current one) with `overrides` replaced; the
+    previous one is back afterwards. Unknown names raise TypeError."""
+    global _current
+    new = dataclasses.replace(_current if base is None else base, **overrides)
+    with _lock:
+        previous, _current = _current, new
+    try:
+        yield new
+    finally:
+        with _lock:
+            _current = previous
