@@ -98,7 +98,7 @@ def _two_tiles(
     HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, FINE_SLOPE: tl.constexpr, HALF_TANH: tl.constexpr,
 ):
     """Both heads' transformed logits [BLOCK_N, BLOCK_V] at (row0, col0), the slope of the student's softcap
     (its derivative; 1.0 without one), and the column mask. FUSED (tensor descriptors, Ds == Dt): both products in
@@ -122,8 +122,10 @@ def _two_tiles(
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, DOT_PRECISION, UPCAST, USE_TMA)
         acc_t = logits_tile(xt_ptr, wt_ptr, xt_ptr, row0, col0, N, V, Dt, sxt_n, sxt_d, swt_v, swt_d, False,
                                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA)
-    zs, _, slope_s = transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP)
-    zt, _, _ = transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP)
+    zs, _, slope_s = transform(acc_s, bs_ptr, cols, col_ok, softcap, inv_temp, HAS_BS, HAS_SOFTCAP, HAS_TEMP,
+                               FINE_SLOPE, HALF_TANH)
+    zt, _, _ = transform(acc_t, bt_ptr, cols, col_ok, softcap, inv_temp, HAS_BT, HAS_SOFTCAP, HAS_TEMP, False,
+                         HALF_TANH)
     return zs, zt, slope_s, col_ok
 
 
@@ -179,6 +181,7 @@ def _two_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
+    HALF_TANH: tl.constexpr,
 ):
     # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a, zr, t_a] of the split's tiles,
     # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
@@ -214,7 +217,7 @@ def _two_fwd_kernel(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED, False, HALF_TANH)
             cs = zs - ms[:, None]
             ct = zt - mt[:, None]
             ls = cs - lss[:, None]
@@ -246,7 +249,7 @@ def _two_fwd_kernel(
                 xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, V, Ds, Dt,
                 sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
                 HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-                DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+                DOT_PRECISION, UPCAST, USE_TMA, FUSED, False, HALF_TANH)
             if WEIGHT_S:
                 za = zs
                 zb = zt
@@ -325,7 +328,7 @@ def _two_dz_kernel(
     HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr, FUSED: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED: tl.constexpr, HALF_TANH: tl.constexpr, FINE_SLOPE: tl.constexpr,
 ):
     # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
     # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - KL); MODE 2: scale p_s (log p_s - log M - R).
@@ -343,7 +346,7 @@ def _two_dz_kernel(
         xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, row0, col0, N, v_end, Ds, Dt,
         sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, softcap, inv_temp,
         HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_KS, EVEN_KT,
-        DOT_PRECISION, UPCAST, USE_TMA, FUSED)
+        DOT_PRECISION, UPCAST, USE_TMA, FUSED, FINE_SLOPE, HALF_TANH)
     ms = tl.load(stats_ptr + rows_in)
     lss = tl.load(stats_ptr + N + rows_in)
     mt = tl.load(stats_ptr + 2 * N + rows_in)
@@ -418,7 +421,7 @@ def _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp):
                 GROUP=cfg.group, EVEN_KS=xs.shape[1] % cfg.block_k == 0, EVEN_KT=xt.shape[1] % cfg.block_k == 0,
                 **dot_flags(xs), USE_TMA=tma,
                 FUSED=bool(current_tuning().two_heads_fused_k and tma and xs.shape[1] == xt.shape[1]),
-                num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+                HALF_TANH=xs.dtype != torch.float32, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return args, strides, meta
 
 
@@ -554,7 +557,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             *args, stats, R, g, dz_arg, dbp,
             N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
             float(softcap or 1.0), float(inv_temp), *beta_args, scale,
-            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, **meta)
+            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, FINE_SLOPE=xs.dtype == torch.float32, **meta)
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
