@@ -3,7 +3,7 @@ default plan and `workspace_bytes=4 N D + 256 MiB` timed after a padding allocat
 two alternating. A ratio between the two plans that holds at every placement is the plans'; one that comes and goes
 is the placement's (or the clocks').
 
-    PYTHONPATH=src python tools/gpu_placement.py [--shapes qwen-7b,gpt2,mistral-nemo] [--reps 5]
+    PYTHONPATH=src python tools/gpu_placement.py [--shapes qwen-7b,gpt2,mistral-nemo,8192x768x50257] [--reps 5]
 
 Per placement: torch.cuda.empty_cache(), a padding tensor of PAD MiB + 4 KiB, one warm-up call per plan, then the
 median of --reps calls (CUDA events around each). bf16, logitless.bench.data "lm" heads.
@@ -33,7 +33,7 @@ def main(argv=None):
         raise SystemExit("needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; pads (MiB) {PADS_MIB}", flush=True)
     for name in args.shapes.split(","):
-        N, D, V = shapes[name]
+        N, D, V = shapes[name] if name in shapes else (int(n) for n in name.split("x"))
         head = data.make_head("lm", N, D, V, dtype=torch.bfloat16, device="cuda", seed=0)
         x = head.input.detach().requires_grad_(True)
         w = head.weight.detach().requires_grad_(True)
