@@ -144,7 +144,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
                    dx, dw, db, lay, dx_split)
     # cuBLAS's settings saved and restored once per backward, not around each chunk's products (~45 us of host
     # time a chunk, which small heads wait on: products._Fp32Reductions is reentrant, the inner ones cost nothing)
-    with products._Fp32Reductions() if bw.torch_products else contextlib.nullcontext():
+    with products._Fp32Reductions() if bw.torch_products and (need_dx or need_dw) else contextlib.nullcontext():
         bw.run(need_dx, need_dw, need_db)
     if rows is not None and dx is not None:
         dx = torch.empty_like(dx).index_copy_(0, rows, dx)
