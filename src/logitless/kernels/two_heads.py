@@ -29,6 +29,7 @@ synchronises with the host.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -562,8 +563,9 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
     need_dz = need_dx or need_dw
-    # cuBLAS's float32-reduction settings saved and restored once, not around each chunk's products
-    with _Fp32Reductions():
+    # cuBLAS's float32-reduction settings saved and restored once, not around each chunk's products (none without
+    # a product: a bias gradient alone)
+    with _Fp32Reductions() if need_dz else contextlib.nullcontext():
         first = True
         for v0, v1, dz_at, _ in plans._first_pass(N, V, D, cfg, plan, False, need_dz, None):
             dz = None
