@@ -22,27 +22,32 @@ BENCH_SHAPES = [(16384, 768, 50257), (8192, 2304, 256000), (16384, 4096, 128256)
 
 
 def test_budget_arithmetic():
-    # max(16 MiB, a tenth of the bf16 logits), in bytes, whatever the dtype
+    # max(16 MiB + the float32 accumulator it is given, a fifth of the bf16 logits), in bytes, whatever the dtype
     assert loss_math.default_workspace_bytes(1, 1) == 16 * MiB
-    assert loss_math.default_workspace_bytes(512, 32000) == 16 * MiB  # 3.3 MB of a tenth
-    assert loss_math.default_workspace_bytes(16384, 50257) == 2 * 16384 * 50257 // 10  # gpt2: 157 MiB
-    assert loss_math.default_workspace_bytes(8192, 131072) == 214748364  # mistral-nemo: 205 MiB
-    n = 16 * MiB * 10 // 2  # the crossover: N V = 80 Mi
+    assert loss_math.default_workspace_bytes(512, 32000) == 16 * MiB  # 6.6 MB of a fifth
+    assert loss_math.default_workspace_bytes(16384, 50257) == 2 * 16384 * 50257 // 5  # gpt2: 314 MiB
+    assert loss_math.default_workspace_bytes(8192, 131072) == 429496729  # mistral-nemo: 410 MiB
+    n = 16 * MiB * 5 // 2  # the crossover: N V = 40 Mi
     assert loss_math.default_workspace_bytes(n, 1) == 16 * MiB
-    assert loss_math.default_workspace_bytes(n + 10, 1) == 2 * (n + 10) // 10 > 16 * MiB
+    assert loss_math.default_workspace_bytes(n + 10, 1) == 2 * (n + 10) // 5 > 16 * MiB
+    # the accumulator's term: a llama-2-class head (V = 32000, D = 4096), where it is the larger
+    acc = 4 * 8192 * 4096
+    assert loss_math.default_workspace_bytes(8192, 32000, acc) == acc + 16 * MiB > 2 * 8192 * 32000 // 5
+    assert lh_plans.default_budget(8192, 32000, 4096, 2) == acc + 16 * MiB
+    assert lh_plans.default_budget(8192, 32000, 4096, 4) == 2 * 8192 * 32000 // 5  # float32: dx in place
     assert lh_plans.default_workspace_bytes is loss_math.default_workspace_bytes  # one policy for both paths
 
 
-@pytest.mark.parametrize("n,d,v", BENCH_SHAPES)
+@pytest.mark.parametrize("n,d,v", BENCH_SHAPES + [(8192, 4096, 32000), (4096, 2048, 32000)])
 def test_policy_buys_the_accumulator_at_the_benchmark_shapes(n, d, v):
     # bf16 / fp16: the float32 dx accumulator gets its own buffer (no second pass), the rest is scratch; the whole
-    # budget stays under a tenth of the bf16 logits and far under the accumulator plus torch.compile's logits.
-    budget = loss_math.default_workspace_bytes(n, v)
+    # budget stays under a fifth of the bf16 logits or the accumulator plus 16 MiB, far under torch.compile's logits.
+    budget = lh_plans.default_budget(n, v, d, 2)
     ws = lh_plans._workspace(n, v, d, 2, None)
-    assert ws.own_acc and ws.scratch == budget - 4 * n * d >= current_tuning().scratch_bytes
-    assert budget <= 2 * n * v / 10
-    # float32: dx accumulates in its own output; the whole budget is scratch
-    assert lh_plans._workspace(n, v, d, 4, None) == (budget, False)
+    assert ws.own_acc and ws.scratch == budget - 4 * n * d >= 16 * MiB
+    assert budget <= max(2 * n * v / 5, 4 * n * d + 16 * MiB)
+    # float32: dx accumulates in its own output; the whole budget (the logits' term alone) is scratch
+    assert lh_plans._workspace(n, v, d, 4, None) == (loss_math.default_workspace_bytes(n, v), False)
 
 
 def test_workspace_overrides():
@@ -57,7 +62,7 @@ def test_workspace_overrides():
     assert lh_plans._workspace(n, v, d, 2, 300 * MiB) == (300 * MiB - 4 * n * d, True)
     # an accumulator the plan must allocate anyway (a frozen head, V < 2N) counts against the budget
     assert lh_plans._workspace(n, v, d, 2, None, acc_forced=True) == (
-        loss_math.default_workspace_bytes(n, v) - 4 * n * d, True)
+        lh_plans.default_budget(n, v, d, 2) - 4 * n * d, True)
     assert lh_plans._workspace(n, v, d, 2, 20 * MiB, acc_forced=True) == (scratch, True)
     assert lh_plans._workspace(n, v, d, 2, 0, acc_forced=True) == (scratch, False)
 
@@ -85,10 +90,10 @@ SCRATCH = N * 32 * 2  # bf16 dz of 32 classes
 
 @pytest.fixture
 def small_policy(tune, monkeypatch):
-    """Lean scratch of 32 classes; the policy's floor at 4 N D + 2 scratches (its own accumulator, a doubled
-    scratch); poisoned workspaces. Returns the three budgets (lean, policy, large)."""
+    """Lean scratch of 32 classes; the policy's floor at 2 scratches beside its own accumulator (4 N D + 2
+    scratches in all); poisoned workspaces. Returns the three budgets (lean, policy, large)."""
     tune(debug_poison=True, scratch_bytes=SCRATCH)
-    monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 4 * N * D + 2 * SCRATCH)
+    monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 2 * SCRATCH)
     return 0, None, 4 * N * D + 16 * SCRATCH
 
 
@@ -169,7 +174,7 @@ def test_peak_memory_within_budget(small_policy):
     slack = 16 * 4 * N + 1024  # O(N): per-row vectors (a few hundred bytes measured)
     lean, policy, large = (_backward_peak(x, w, t, ws) for ws in small_policy)
     assert lean <= SCRATCH + slack, lean
-    assert policy <= loss_math.default_workspace_bytes(N, V) + slack, policy
+    assert policy <= lh_plans.default_budget(N, V, D, 2) + slack, policy
     assert large <= small_policy[2] + slack, large
     assert policy >= lean + 4 * N * D // 2  # the accumulator's own buffer is there
 

@@ -1355,3 +1355,55 @@ def test_softcap_dz_tiles(tune, monkeypatch, softcap):
     recomputed = {bv for bv, stashed in seen if not stashed}
     assert recomputed == {cfg.cap_dz_block_v if softcap else cfg.dz_block_v}, seen
     assert all(bv == cfg.block_v for bv, stashed in seen if stashed)
+
+
+@pytest.mark.parametrize("softcap,bias,n,entropy", [(None, False, 48, False), (None, True, 37, False),
+                                                     (5.0, True, 37, False), (None, True, 40, True)])
+def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
+    # Config.dz_persistent: the recomputing dz launches run a persistent grid (several tiles a program here) and
+    # store dz through a descriptor, partial tiles included; the gradients are bitwise those of one program a
+    # tile with pointer stores, and within the rule. A softcap or the entropy's term keep one program a tile.
+    if lh_configs.TensorDescriptor is None:
+        pytest.skip("no tensor descriptors in this Triton")
+    base = lh_configs.config_for(torch.empty(1, device=DEV)).replace(tma=True)
+    x, w, b, t = case(torch.bfloat16, n=n, d=48, v=700, bias=bias, ignore_frac=0.25, scale=3.0)
+    seen = []
+    real = lh_kernels._dz_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append((grid[0], kw["PERSISTENT"], kw["DZ_TMA"], kw["LOAD_Z"]))
+                return launch(*a, **kw)
+            return run
+
+    def loss(xo, wo, bo):
+        if entropy:
+            lp, ent = logitless.linear_log_probs(xo, wo, t, linear_bias=bo, temperature=0.7, return_entropy=True,
+                                                 backend="triton")
+            return lp.sum() + ent.sum()
+        return logitless.linear_cross_entropy(xo, wo, t, linear_bias=bo, softcap=softcap, label_smoothing=0.1,
+                                              backend="triton")
+
+    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
+    grads = {}
+    for persistent in (False, True):
+        with logitless.kernels.tuning(linear_config=base.replace(dz_persistent=persistent)):
+            xo, wo, bo = leaves(x, w, b)
+            loss(xo, wo, bo).backward()
+            grads[persistent] = [g.grad for g in (xo, wo, bo) if g is not None]
+    for a, c in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(a, c)
+    runs = [s for s in seen if s[1]]
+    if softcap is not None or entropy:
+        assert seen and not runs
+    else:
+        assert runs and all(s[2] for s in runs) and not any(s[3] for s in runs)
+        assert any(s[0] < 4 for s in runs)  # fewer programs than tiles: a program walks several
+    tune(linear_config=base.replace(dz_persistent=True))
+    if entropy:
+        check_log_probs_entropy(x, w, b, t, backend="triton", temperature=0.7)
+    else:
+        lce_check(x, w, b, t, softcap=softcap, label_smoothing=0.1)

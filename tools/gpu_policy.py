@@ -7,7 +7,7 @@ workspace setting, next to torch.compile and cuBLAS's products, every provider i
 
 Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
   lean     workspace_bytes=0: the leanest plan (8 MiB scratch, the dx accumulator in dW's last rows, second pass)
-  default  workspace_bytes=None: the default policy, max(16 MiB, N V / 5 bytes) (loss_math.default_workspace_bytes)
+  default  workspace_bytes=None: the default policy, max(2 N V / 5, 4 N D + 16 MiB) bytes (plans.default_budget)
   borrow   (where the default buys the float32 dx accumulator its own buffer) the same budget with the accumulator
            in dW's last rows instead (Tuning.own_accumulator=False): all of the budget is scratch, with a second pass
   ws       workspace_bytes=4 N D + 256 MiB
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         x = x0.detach().requires_grad_(True)
         w = w0.detach().requires_grad_(True)
         ws_big = 4 * N * D + (256 << 20)
-        budget = loss_math.default_workspace_bytes(N, V)
+        budget = plans.default_budget(N, V, D, 2)
         plan = plans._workspace(N, V, D, 2, None)
         lay = lh.stash_layout(x, w, True, None) if cuda else None
         lay0 = lh.stash_layout(x, w, True, 0) if cuda else None

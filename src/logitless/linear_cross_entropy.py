@@ -81,18 +81,18 @@ def linear_cross_entropy(
             tiles: "none" (default), "batch" (by the counts of this batch's targets), or a (V,) tensor of per-class
             counts (e.g. kept across steps; ``LinearCrossEntropyLoss(vocab_order="running")`` does that). The
             result does not depend on it beyond rounding; an order costs time (its W rows are gathered).
-        workspace_bytes: memory the Triton backward may allocate for its workspaces, beyond a few float32 values
-            per token. ``None`` (default): the memory policy, the larger of 16 MiB and a tenth of what the N x V
-            logits would take in bfloat16 (``N * V // 5`` bytes; ``logitless.loss_math.default_workspace_bytes``),
-            spent on the fastest plan that fits: at least ``4 * N * D`` bytes more than 8 MiB (N tokens, D
-            features) give the float32 accumulator of the input's gradient its own buffer, which removes the second
-            pass that recomputes the logits of the weight-gradient rows it would otherwise borrow (bfloat16 /
-            float16); the rest widens the vocabulary chunks (up to 8192 classes) and holds split partials. ``0``
-            (anything up to 8 MiB): the leanest plan, 8 MiB. A number: that budget, spent the same way (on an
-            H200 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward + backward 1-10% faster than the
-            leanest plan; BENCHMARKS.md). The result does not depend on it beyond float32 summation order.
-            Ignored on the PyTorch path (which sizes its blocks by the same policy); with ``process_group``, each
-            rank's budget for its shard.
+        workspace_bytes: memory the Triton backward may allocate for its workspaces, beyond a few float32 values per
+            token. ``None`` (default): the memory policy, the larger of a fifth of what the N x V logits would take in
+            bfloat16 (``2 * N * V // 5`` bytes) and, for bfloat16 / float16 inputs, ``4 * N * D`` bytes plus 16 MiB
+            (``logitless.loss_math.default_workspace_bytes``), spent on the fastest plan that fits: at least
+            ``4 * N * D`` bytes more than 8 MiB (N tokens, D features) give the float32 accumulator of the input's
+            gradient its own buffer, which removes the second pass that recomputes the logits of the weight-gradient
+            rows it would otherwise borrow (bfloat16 / float16); the rest widens the vocabulary chunks (up to 8192
+            classes) and holds split partials. ``0`` (anything up to 8 MiB): the leanest plan, 8 MiB. A number: that
+            budget, spent the same way (on an H200 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward +
+            backward 1-10% faster than the leanest plan; BENCHMARKS.md). The result does not depend on it beyond
+            float32 summation order. Ignored on the PyTorch path (which sizes its blocks by the same policy); with
+            ``process_group``, each rank's budget for its shard.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.

@@ -26,21 +26,24 @@ from typing import NamedTuple
 
 import torch
 
-# The default memory policy of both backends (workspace_bytes=None): beyond O(N) (and the O(N D) float32
-# input-gradient accumulator), the work may take the larger of POLICY_MIN_BYTES and a tenth of the bytes that the
-# N x V logits would take in bf16 (N V / 5 bytes), whatever the dtype. A tenth is small next to the logits
-# (torch.compile's fwd+bwd holds about all of them) and covers the Triton backward's float32 accumulator of its own
-# (4 N D bytes, 2 D / V of the bf16 logits) plus the lean 8 MiB scratch at every shape of BENCHMARKS.md
-# (mistral-nemo needs the most, 7.8% + 0.4%), which removes its second pass (docs/kernels.md, the workspace):
-# 157-475 MiB there. Tests shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
+# The default memory policy of both backends (workspace_bytes=None): beyond O(N), the work may take the larger of a
+# fifth of the bytes that the N x V logits would take in bf16 (2 N V / 5 bytes, whatever the dtype) and, where the
+# input's gradient is accumulated in float32 (the Triton backward of a bf16 / fp16 head), that accumulator (4 N D
+# bytes) plus POLICY_MIN_BYTES. Both terms are measured choices (H100, docs/design/backward.md, "The default
+# budget"): the accumulator removes a second pass over 2N classes, 20-28% of fwd+bwd at V = 32000 and D = 4096-5120
+# (there 4 N D is 25-32% of the bf16 logits); a fifth gives gpt2's head (16384, 768, 50257) vocabulary chunks of
+# 8192 classes where a tenth gave 3328, 1-7% faster, at 304 MiB, under a tenth of torch.compile's 3.1 GB. Tests
+# shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
 POLICY_MIN_BYTES = 16 << 20
-POLICY_LOGITS_DIVISOR = 10
+POLICY_LOGITS_DIVISOR = 5
 
 
-def default_workspace_bytes(n: int, V: int) -> int:
+def default_workspace_bytes(n: int, V: int, acc_bytes: int = 0) -> int:
     """The default memory policy: bytes the work of a head of n tokens and V classes may take beyond O(n), the
-    larger of POLICY_MIN_BYTES (16 MiB) and a tenth of n x V bf16 logits (n V / 5 bytes)."""
-    return max(POLICY_MIN_BYTES, 2 * n * V // POLICY_LOGITS_DIVISOR)
+    larger of a fifth of n x V bf16 logits (2 n V / 5 bytes) and POLICY_MIN_BYTES (16 MiB) plus `acc_bytes`, the
+    float32 input-gradient accumulator that the caller's plan holds (4 n D bytes for a bf16 / fp16 Triton backward;
+    0 for the PyTorch path, which keeps to the logits' term)."""
+    return max(POLICY_MIN_BYTES + acc_bytes, 2 * n * V // POLICY_LOGITS_DIVISOR)
 
 
 def one_minus_pt(rest, logs, e_t=None):

@@ -539,9 +539,9 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
 
     def scratch_view(cols):
         ld = plans.scratch_ld(N, cols, xs.element_size(), ws_plan.scratch)
-        if not scratch or scratch[0].numel() < N * ld:
-            scratch[:] = [new_buffer(max(ws_plan.scratch // xs.element_size(), N * ld), device=xs.device,
-                                     dtype=xs.dtype)]
+        if not scratch or scratch[0].numel() < N * ld:  # as large as the chunk needs (the budget is a bound)
+            scratch[:] = []  # freed first: the peak holds one buffer
+            scratch[:] = [new_buffer(N * ld, device=xs.device, dtype=xs.dtype)]
         return plans.dz_rows(scratch[0], N, cols, ld)
 
     def dz_in_dw(start, cols):

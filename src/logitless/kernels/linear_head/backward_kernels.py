@@ -27,40 +27,23 @@ def _target_column(g, is_t, p, zm, c, at_ptr, bc_ptr, rows_in, HAS_B: tl.constex
 
 
 @triton.jit
-def _dz_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
-    dz_ptr, dbp_ptr, zs_ptr, zo_ptr, at_ptr,
-    # sizes
-    N, D, v_begin, v_end, n_vtiles,
-    # strides
+def _dz_tile(
+    pid_n, pid_v,
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr,
+    dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr,
+    N, D, v_begin, v_end,
     stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp,
-    # options
     softcap, inv_temp,
-    # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
     HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
-    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr, LOAD_Z: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, LOAD_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_AT: tl.constexpr,
-    FINE_SLOPE: tl.constexpr, HALF_TANH: tl.constexpr,
+    FINE_SLOPE: tl.constexpr, HALF_TANH: tl.constexpr, DZ_TMA: tl.constexpr,
 ):
-    # Programs that run together share GROUP token blocks and their W tiles in L2. (Token-block-major, each wave
-    # re-read the chunk's whole W: at gemma2-2b's first chunk the L2 hit rate rose from 67% to 78% with GROUP 8.)
-    pid = tl.program_id(0)
-    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
-    pid_n, pid_v = grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
+    """dL/dz of one (token block, class tile) pair of the chunk [v_begin, v_end): see _dz_kernel."""
     lcol0 = pid_v.to(tl.int64) * BLOCK_V  # column offset inside the chunk
     lcols = lcol0 + tl.arange(0, BLOCK_V)
-    if SKIP:
-        # A cold (token block, tile) pair: no recomputation, no dz (the products never read it), no bias gradient.
-        # v_begin is a multiple of BLOCK_V, so this program's tile is one tile of the map.
-        hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
-        if hot == 0:
-            if HAS_DB:
-                tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
-                         mask=lcols < v_end - v_begin)
-            return
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -137,15 +120,77 @@ def _dz_kernel(
     if STORE_DZ:
         # int32 offsets inside the tile (BLOCK_N rows of at most 2^16 chunk columns, or BLOCK_V columns of N rows);
         # a whole tile is stored without a mask (the epilogue is on the critical path).
-        dz_tile = dz_ptr + (row0 * stride_dz + lcol0 * stride_dzv)
         out = cast(g, dz_ptr.dtype.element_ty, UPCAST)
-        if (row0 + BLOCK_N <= N) & (col0 + BLOCK_V <= v_end):
-            tl.store(dz_tile + offs, out)
+        if DZ_TMA:
+            # The copy engine stores the tile from shared memory (rows past N and classes past the chunk fall
+            # outside the descriptor and are not written); in the persistent loop the wait for it is deferred to
+            # the next tile's store, so the write overlaps the next tile's products.
+            dz_desc.store([row0.to(tl.int32), lcol0.to(tl.int32)], out)
         else:
-            tl.store(dz_tile + offs, out, mask=ok)
+            dz_tile = dz_ptr + (row0 * stride_dz + lcol0 * stride_dzv)
+            if (row0 + BLOCK_N <= N) & (col0 + BLOCK_V <= v_end):
+                tl.store(dz_tile + offs, out)
+            else:
+                tl.store(dz_tile + offs, out, mask=ok)
     if HAS_DB:
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(tl.where(ok, g, 0.0), axis=0),
                  mask=col_ok)
+
+
+@triton.jit
+def _dz_kernel(
+    # pointers (dz_desc: a tensor descriptor of dz's [BLOCK_N, BLOCK_V] blocks with DZ_TMA)
+    x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
+    dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr,
+    # sizes
+    N, D, v_begin, v_end, n_vtiles, n_progs,
+    # strides
+    stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp,
+    # options
+    softcap, inv_temp,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_C: tl.constexpr, HAS_E: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, STORE_DZ: tl.constexpr,
+    HAS_DB: tl.constexpr, HAS_PERM: tl.constexpr, SKIP: tl.constexpr, LOAD_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_AT: tl.constexpr,
+    FINE_SLOPE: tl.constexpr, HALF_TANH: tl.constexpr, DZ_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # Programs that run together share GROUP token blocks and their W tiles in L2. (Token-block-major, each wave
+    # re-read the chunk's whole W: at gemma2-2b's first chunk the L2 hit rate rose from 67% to 78% with GROUP 8.)
+    n_nb = tl.cdiv(N, BLOCK_N)
+    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
+    if PERSISTENT:
+        # n_progs programs walk the tiles in the same grouped order, one loop over tiles and their products'
+        # steps (flattened): the pipeline loads the next tile's operands while this tile's epilogue runs, and its
+        # copy-engine store drains during the next tile's products. (H100, a chunk of 8192 classes: the kernel
+        # 7-15% faster than one program per tile, dz bitwise equal.) No early return in a loop: not with SKIP.
+        for tile in tl.range(tl.program_id(0), n_nb * n_vt, n_progs, flatten=True):
+            pid_n, pid_v = grouped(tile, n_nb, n_vt, GROUP)
+            _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,
+                     c_ptr, e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,
+                     stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp, softcap,
+                     inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_B, HAS_C, HAS_E, HAS_CLASS_WEIGHT, STORE_DZ,
+                     HAS_DB, HAS_PERM, LOAD_Z, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA,
+                     HAS_AT, FINE_SLOPE, HALF_TANH, DZ_TMA)
+    else:
+        pid_n, pid_v = grouped(tl.program_id(0), n_nb, n_vt, GROUP)
+        if SKIP:
+            # A cold (token block, tile) pair: no recomputation, no dz (the products never read it), no bias
+            # gradient. v_begin is a multiple of BLOCK_V, so this program's tile is one tile of the map.
+            hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
+            if hot == 0:
+                if HAS_DB:
+                    lcols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+                    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
+                             mask=lcols < v_end - v_begin)
+                return
+        _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr,
+                 e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,
+                 stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp, softcap, inv_temp,
+                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_B, HAS_C, HAS_E, HAS_CLASS_WEIGHT, STORE_DZ, HAS_DB,
+                 HAS_PERM, LOAD_Z, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA, HAS_AT,
+                 FINE_SLOPE, HALF_TANH, DZ_TMA)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@ class Config:
     # 270M's head stored in mass order, 32768 against 8192 classes: 11.2 against 12.8 ms at D = 640, 25.1 against
     # 25.9 ms at D = 2304 (tools/gpu_skip.py).
     skip_wide: int = 0
+    # The dz launches of chunks that recompute their logits as a persistent grid that stores dz through the copy
+    # engine (operands through descriptors, dz rows the copy engine can address; not when skipping, nor with the
+    # entropy's term or a softcap)
+    dz_persistent: bool = False
 
     @property
     def dx_d(self) -> int:
@@ -79,7 +83,7 @@ def hopper_config() -> Config:
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
                   group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768,
-                  cap_dz_block_v=128, cap_dz_stages=4)
+                  cap_dz_block_v=128, cap_dz_stages=4, dz_persistent=True)
 
 
 def small_smem_config() -> Config:

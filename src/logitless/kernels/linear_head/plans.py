@@ -359,9 +359,15 @@ def acc_forced(x, need_dx: bool, need_dw: bool, N: int, V: int, D: int) -> bool:
     return need_dx and x.dtype != torch.float32 and not (need_dw and V * D >= 2 * N * D + 8)
 
 
+def default_budget(N: int, V: int, D: int, elt: int) -> int:
+    """The policy's budget (loss_math.default_workspace_bytes) for this backward: with bf16 / fp16 inputs (elt < 4)
+    its float32 dx accumulator counts, float32 inputs accumulate dx in their own output."""
+    return default_workspace_bytes(N, V, 4 * N * D if elt != 4 else 0)
+
+
 def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, acc_forced: bool = False
                ) -> _Workspace:
-    """How the backward spends a budget of workspace_bytes (None: default_workspace_bytes(N, V); at most
+    """How the backward spends a budget of workspace_bytes (None: default_budget(N, V, D, elt); at most
     S = Tuning.scratch_bytes, e.g. 0: the leanest plan, S bytes of scratch). With bf16/fp16 inputs, a budget of at
     least 4 N D + S first buys the float32 dx accumulator its own buffer: the dW rows it would borrow no longer
     wait for a second pass that recomputes their logits (2N of the V classes). What is left (or all of it) enlarges
@@ -369,7 +375,7 @@ def _workspace(N: int, V: int, D: int, elt: int, workspace_bytes: int | None, ac
     for split partials. The accumulator is allocated in any case when there is no dW to borrow (a frozen head, or
     V < 2N: acc_forced); it then counts against the budget, and the scratch gets the rest (S at least).
     Shapes only: the forward (stash_layout, vocab_order) and the backward compute the same."""
-    budget = default_workspace_bytes(N, V) if workspace_bytes is None else workspace_bytes
+    budget = default_budget(N, V, D, elt) if workspace_bytes is None else workspace_bytes
     base = current_tuning().scratch_bytes
     if budget <= base:
         return _Workspace(base, False)
