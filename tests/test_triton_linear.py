@@ -1328,6 +1328,24 @@ def test_narrow_heads_keep_dz_in_float32(dtype):
     assert err(gx, x64.grad) <= err(hx, x64.grad) and err(gw, w64.grad) <= err(hw, w64.grad)
 
 
+def spy_dz_launches(monkeypatch, record):
+    """Wraps the dz kernel until the test ends: each launch appends record(grid, its keyword arguments) to the list
+    returned."""
+    seen, real = [], lh_kernels._dz_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append(record(grid, kw))
+                return launch(*a, **kw)
+            return run
+
+    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
+    return seen
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_softcap_dz_tiles(tune, monkeypatch, softcap):
     # With a softcap, the dz launches that recompute their logits take Config.cap_dz_block_v classes (the slope is
@@ -1337,19 +1355,7 @@ def test_softcap_dz_tiles(tune, monkeypatch, softcap):
     # backward's logits must be the forward's bitwise; at this scale the difference is within the rule)
     cfg = lh_configs.interpreter_config().replace(cap_dz_block_v=32)
     tune(torch_products=True, linear_config=cfg)
-    seen = []
-    real = lh_kernels._dz_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                seen.append((kw["BLOCK_V"], kw["LOAD_Z"]))
-                return launch(*a, **kw)
-            return run
-
-    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
+    seen = spy_dz_launches(monkeypatch, lambda grid, kw: (kw["BLOCK_V"], kw["LOAD_Z"]))
     x, w, b, t = case(torch.bfloat16, n=48, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
     lce_check(x, w, b, t, softcap=softcap)
     recomputed = {bv for bv, stashed in seen if not stashed}
@@ -1367,18 +1373,6 @@ def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
         pytest.skip("no tensor descriptors in this Triton")
     base = lh_configs.config_for(torch.empty(1, device=DEV)).replace(tma=True)
     x, w, b, t = case(torch.bfloat16, n=n, d=48, v=700, bias=bias, ignore_frac=0.25, scale=3.0)
-    seen = []
-    real = lh_kernels._dz_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                seen.append((grid[0], kw["PERSISTENT"], kw["DZ_TMA"], kw["LOAD_Z"]))
-                return launch(*a, **kw)
-            return run
-
     def loss(xo, wo, bo):
         if entropy:
             lp, ent = logitless.linear_log_probs(xo, wo, t, linear_bias=bo, temperature=0.7, return_entropy=True,
@@ -1387,7 +1381,7 @@ def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
         return logitless.linear_cross_entropy(xo, wo, t, linear_bias=bo, softcap=softcap, label_smoothing=0.1,
                                               backend="triton")
 
-    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
+    seen = spy_dz_launches(monkeypatch, lambda grid, kw: (grid[0], kw["PERSISTENT"], kw["DZ_TMA"], kw["LOAD_Z"]))
     grads = {}
     for persistent in (False, True):
         with logitless.kernels.tuning(linear_config=base.replace(dz_persistent=persistent)):
