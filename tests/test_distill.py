@@ -164,6 +164,42 @@ def test_triton_fused_reduction_loop(case, tune):
     check(case, tensors, "triton", target=t, softcap=4.0, reduction="none")
 
 
+@pytest.mark.parametrize("case", ["fkl", "jsd"])
+def test_triton_persistent_dz(case, tune, monkeypatch):
+    # Tuning.two_heads_dz_persistent: with tensor descriptors the dz launches run a persistent grid (several tiles
+    # a program here); the gradients are bitwise those of one program a tile, and within the rule.
+    from logitless.kernels import two_heads
+    from logitless.kernels.linear_head.configs import TensorDescriptor, interpreter_config
+
+    if TensorDescriptor is None:
+        pytest.skip("no tensor descriptors in this Triton")
+    tune(two_heads_config=interpreter_config().replace(tma=True))
+    xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, n=40, ds=24, dt=16, v=300)
+    seen, real = [], two_heads._two_dz_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append((grid[0], kw["PERSISTENT"]))
+                return launch(*a, **kw)
+            return run
+
+    monkeypatch.setattr(two_heads, "_two_dz_kernel", Spy())
+    fn = logitless.linear_kl_div if case == "fkl" else logitless.linear_jsd
+    out = {}
+    for persistent in (False, True):
+        with logitless.kernels.tuning(two_heads_dz_persistent=persistent):
+            x, w, b = leaves(xs, ws, bs)
+            fn(x, w, xt, wt, student_bias=b, teacher_bias=bt, target=t, backend="triton").backward()
+            out[persistent] = (x.grad, w.grad, b.grad)
+    for a, c in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, c)
+    assert any(p and n < 4 for n, p in seen) and any(not p for _, p in seen)
+    check(case, (xs, ws, bs, xt, wt, bt), "triton", target=t, reduction="mean")
+
+
 def test_triton_jsd_edges_and_sum():
     # beta at the edges is the KL of that direction, on this path too
     *tensors, t = make_pair(torch.float16, **TRITON_ODD)

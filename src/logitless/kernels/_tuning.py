@@ -83,6 +83,8 @@ class Tuning:
     two_heads_dz: tuple[int, int, int, int, int] | None = None
     # The dz kernel writes its tiles through a tensor descriptor (the copy engine) where the operands use them.
     two_heads_dz_store_tma: bool = True
+    # Those dz launches as a persistent grid with one flattened loop (as the single head's Config.dz_persistent)
+    two_heads_dz_persistent: bool = True
     # Both heads' products in one reduction loop where they have one width and use descriptors.
     two_heads_fused_k: bool = False
 

@@ -37,7 +37,16 @@ import triton
 import triton.language as tl
 
 from ..loss_math import log_ratio, move_t
-from ._common import INTERPRETER_SMS_FORWARD, cdiv, cuda_facts, device_index, gradient_buffers, new_buffer, num_sms
+from ._common import (
+    INTERPRETER_SMS_BACKWARD,
+    INTERPRETER_SMS_FORWARD,
+    cdiv,
+    cuda_facts,
+    device_index,
+    gradient_buffers,
+    new_buffer,
+    num_sms,
+)
 from ._device import LOG2E, cast, exp, mma
 from ._tuning import current_tuning
 from .linear_head import plans
@@ -315,27 +324,19 @@ def _two_fwd_kernel(
 
 
 @triton.jit
-def _two_dz_kernel(
-    # pointers
+def _two_dz_tile(
+    pid_n, pid_v,
     xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr, dbp_ptr,
-    # sizes
     N, Ds, Dt, v_begin, v_end,
-    # strides
     sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, stride_dz, stride_dbp,
-    # options
     softcap, inv_temp, log_beta, log_1mb, c0, scale,
-    # meta-parameters
     MODE: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED: tl.constexpr, HALF_TANH: tl.constexpr, FINE_SLOPE: tl.constexpr,
 ):
-    # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
-    # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - KL); MODE 2: scale p_s (log p_s - log M - R).
-    pid = tl.program_id(0)
-    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
-    pid_n, pid_v = grouped(pid, tl.cdiv(N, BLOCK_N), n_vt, GROUP)
+    """One (token block, tile) pair of _two_dz_kernel."""
     lcol0 = pid_v.to(tl.int64) * BLOCK_V
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
@@ -393,6 +394,46 @@ def _two_dz_kernel(
         lcols = lcol0 + tl.arange(0, BLOCK_V)
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.sum(tl.where(ok, gz, 0.0), axis=0),
                  mask=col_ok)
+
+
+@triton.jit
+def _two_dz_kernel(
+    # pointers
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr, dbp_ptr,
+    # sizes (n_progs: programs of a persistent launch)
+    N, Ds, Dt, v_begin, v_end, n_progs,
+    # strides
+    sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, stride_dz, stride_dbp,
+    # options
+    softcap, inv_temp, log_beta, log_1mb, c0, scale,
+    # meta-parameters
+    MODE: tl.constexpr, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr, STORE_DZ: tl.constexpr, HAS_DB: tl.constexpr, DZ_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED: tl.constexpr, HALF_TANH: tl.constexpr, FINE_SLOPE: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
+    # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - KL); MODE 2: scale p_s (log p_s - log M - R).
+    # PERSISTENT: n_progs programs walk the tiles in the grouped order (as the single head's _dz_kernel).
+    n_nb = tl.cdiv(N, BLOCK_N)
+    n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), n_nb * n_vt, n_progs, flatten=True):
+            pid_n, pid_v = grouped(tile, n_nb, n_vt, GROUP)
+            _two_dz_tile(pid_n, pid_v, xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr,
+                          dbp_ptr, N, Ds, Dt, v_begin, v_end, sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v,
+                          swt_d, stride_dz, stride_dbp, softcap, inv_temp, log_beta, log_1mb, c0, scale, MODE,
+                          HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, STORE_DZ, HAS_DB, DZ_TMA, BLOCK_N, BLOCK_V,
+                          BLOCK_K, EVEN_KS, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA, FUSED, HALF_TANH, FINE_SLOPE)
+    else:
+        pid_n, pid_v = grouped(tl.program_id(0), n_nb, n_vt, GROUP)
+        _two_dz_tile(pid_n, pid_v, xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr,
+                     dbp_ptr, N, Ds, Dt, v_begin, v_end, sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v,
+                     swt_d, stride_dz, stride_dbp, softcap, inv_temp, log_beta, log_1mb, c0, scale, MODE,
+                     HAS_BS, HAS_BT, HAS_SOFTCAP, HAS_TEMP, STORE_DZ, HAS_DB, DZ_TMA, BLOCK_N, BLOCK_V,
+                     BLOCK_K, EVEN_KS, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA, FUSED, HALF_TANH, FINE_SLOPE)
 
 
 def _splits(n_blocks: int, n_vtiles: int, sms: int) -> int:
@@ -554,11 +595,15 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         if dz_tma:
             dz_arg = descriptor(dz, [cfg.block_n, cfg.block_v])
         dbp = new_buffer((n_blocks, v1 - v0), **f32) if with_db else None
-        _two_dz_kernel[(n_blocks * cdiv(v1 - v0, cfg.block_v),)](
+        n_tiles = n_blocks * cdiv(v1 - v0, cfg.block_v)
+        persistent = dz_tma and current_tuning().two_heads_dz_persistent
+        n_progs = min(n_tiles, num_sms(xs.device, INTERPRETER_SMS_BACKWARD)) if persistent else n_tiles
+        _two_dz_kernel[(n_progs,)](
             *args, stats, R, g, dz_arg, dbp,
-            N, D, xt.shape[1], v0, v1, *strides, dz.stride(0) if store else 0, dbp.stride(0) if with_db else 0,
-            float(softcap or 1.0), float(inv_temp), *beta_args, scale,
-            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, FINE_SLOPE=xs.dtype == torch.float32, **meta)
+            N, D, xt.shape[1], v0, v1, n_progs, *strides, dz.stride(0) if store else 0,
+            dbp.stride(0) if with_db else 0, float(softcap or 1.0), float(inv_temp), *beta_args, scale,
+            MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, FINE_SLOPE=xs.dtype == torch.float32,
+            PERSISTENT=persistent, **meta)
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
