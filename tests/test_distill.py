@@ -200,6 +200,21 @@ def test_triton_persistent_dz(case, tune, monkeypatch):
     check(case, (xs, ws, bs, xt, wt, bt), "triton", target=t, reduction="mean")
 
 
+@pytest.mark.parametrize("major,smem", [(9, 232448), (8, 166912), (8, 101376), (12, 101376)])
+def test_triton_gpu_tiers(tune, major, smem):
+    # The two-head tiles each kind of CUDA device gets (two_heads.arch_config; tools/compile_check.py compiles them
+    # per architecture): reduction steps of 32 below Hopper's shared memory, descriptors from compute capability 9;
+    # run here through the interpreter at a shape with partial tiles.
+    from logitless.kernels import two_heads
+
+    cfg = two_heads.arch_config(torch.bfloat16, major, smem)
+    assert cfg.tma == (major >= 9) and cfg.block_k == (64 if smem >= 200 * 1024 else 32)
+    assert two_heads.arch_config(torch.float32, major, smem) == two_heads.fp32_config()
+    tune(two_heads_config=cfg)
+    *tensors, t = make_pair(torch.bfloat16, n=130, ds=40, dt=24, v=300)
+    check("fkl", tensors, "triton", target=t, reduction="mean")
+
+
 def test_triton_jsd_edges_and_sum():
     # beta at the edges is the KL of that direction, on this path too
     *tensors, t = make_pair(torch.float16, **TRITON_ODD)

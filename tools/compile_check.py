@@ -5,9 +5,10 @@ and check its shared memory against that architecture's limit.
 
 A kernel whose tiles need more shared memory than the GPU has fails at its first launch with Triton's
 OutOfResources; this finds that before a user does. Step 1 runs, in a subprocess with TRITON_INTERPRET=1, the public
-functions on CPU tensors with the configuration a GPU of that architecture gets (`linear_head.gpu_config`), and
-records every launch (kernel, argument types, constants, warps, stages): linear_cross_entropy forward and backward
-(plain and with every option), linear_log_probs with entropy, linear_logsumexp, and cross_entropy in place and not.
+functions on CPU tensors with the configuration a GPU of that architecture gets (`linear_head.gpu_config`,
+`two_heads.arch_config`), and records every launch (kernel, argument types, constants, warps, stages):
+linear_cross_entropy forward and backward (plain and with every option), linear_log_probs with entropy,
+linear_logsumexp, cross_entropy in place and not, and the two-head losses (both KL directions, the JSD).
 Step 2 compiles each distinct specialisation with `triton.compile` for sm_<arch> and prints its shared memory,
 registers and spills (from the bundled cuobjdump). Exit status 1 if any kernel fails to compile or needs more
 shared memory than the architecture allows. Compiling takes ~5-30 s per specialisation.
@@ -55,7 +56,7 @@ def _arg_type(v):
     return ("constexpr", v), False
 
 
-def record(shapes, dtypes, configs) -> list:
+def record(shapes, dtypes, configs, two_configs) -> list:
     import torch
     import triton.runtime.interpreter as interp
 
@@ -103,7 +104,8 @@ def record(shapes, dtypes, configs) -> list:
     gen = torch.Generator().manual_seed(0)
     for dt_name in dtypes:
         dt = DTYPES[dt_name]
-        with kernels.tuning(linear_config=lh.Config(**configs[dt_name])):
+        with kernels.tuning(linear_config=lh.Config(**configs[dt_name]),
+                            two_heads_config=lh.Config(**two_configs[dt_name])):
             record_calls(logitless, shapes, dt, gen)
     interp.InterpretedFunction.run = original
     return out
@@ -135,6 +137,13 @@ def record_calls(logitless, shapes, dt, gen) -> None:
         logitless.cross_entropy(logits.clone().requires_grad_(), t, **kw).backward()
         y = logits.clone().requires_grad_()
         logitless.cross_entropy(y * 1, t, inplace_backward=True, label_smoothing=0.1, z_loss=1e-4, **kw)
+        # the two-head losses (a teacher of another width): both KL directions, the JSD, with and without options
+        xt = (torch.randn(N, D + 8, generator=gen) * 0.5).to(dt)
+        wt = (torch.randn(V, D + 8, generator=gen) * 0.5).to(dt)
+        logitless.linear_kl_div(x, w, xt, wt, target=t, **kw).backward()
+        logitless.linear_kl_div(x, w, xt, wt, target=t, direction="reverse", student_bias=b, softcap=20.0,
+                                temperature=0.7, **kw).backward()
+        logitless.linear_jsd(x, w, xt, wt, target=t, **kw).backward()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +209,7 @@ def main():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     if a.record is not None:
         args = json.loads(a.record)
-        print(json.dumps(record(args["shapes"], args["dtypes"], args["configs"])))
+        print(json.dumps(record(args["shapes"], args["dtypes"], args["configs"], args["two_configs"])))
         return
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # The kernels must import as compilable functions here: run again without the interpreter.
@@ -208,6 +217,7 @@ def main():
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
     from logitless.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
+    from logitless.kernels import two_heads
 
     shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";")]
     dtypes = a.dtypes.split(",")
@@ -217,7 +227,8 @@ def main():
                                         .replace(**(json.loads(a.replace) if d != "fp32" else {}))) for d in dtypes}
         print(f"sm_{arch}: configs {config}", flush=True)
         env = dict(os.environ, TRITON_INTERPRET="1")
-        arg = json.dumps(dict(shapes=shapes, dtypes=dtypes, configs=config))
+        two = {d: dataclasses.asdict(two_heads.arch_config(DTYPES[d], arch // 10, SMEM_LIMIT[arch])) for d in dtypes}
+        arg = json.dumps(dict(shapes=shapes, dtypes=dtypes, configs=config, two_configs=two))
         r = subprocess.run([a.record_python, os.path.abspath(__file__), "--record", arg], capture_output=True,
                            text=True, env=env)
         if r.returncode != 0:

@@ -30,6 +30,7 @@ synchronises with the host.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -41,7 +42,6 @@ from ._common import (
     INTERPRETER_SMS_BACKWARD,
     INTERPRETER_SMS_FORWARD,
     cdiv,
-    cuda_facts,
     device_index,
     gradient_buffers,
     new_buffer,
@@ -74,17 +74,35 @@ def interpreter_config() -> Config:
                   group=2, waves=4, dz_block_v=32, tma=True, wide=96)
 
 
+def arch_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:
+    """The two-head tiles for a CUDA device of compute capability `major`.x whose blocks may use `max_smem` bytes of
+    shared memory (tools/compile_check.py compiles them per architecture). Below Hopper's shared memory, reduction
+    steps of 32: with 64, the dz kernel's stages and its copy-engine store took 129 KiB on sm_120 (99 KiB there)."""
+    if dtype == torch.float32:
+        return fp32_config()
+    cfg = gpu_config()
+    if max_smem < 200 * 1024:
+        cfg = cfg.replace(block_k=32)
+    if major < 9:
+        cfg = cfg.replace(tma=False)
+    return cfg
+
+
+@functools.cache
+def _device_config(index: int, dtype: torch.dtype) -> Config:
+    from triton.runtime import driver
+
+    smem = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return arch_config(dtype, torch.cuda.get_device_capability(index)[0], smem)
+
+
 def _config(x: torch.Tensor) -> Config:
     override = current_tuning().two_heads_config
     if override is not None:
         return override
     if x.device.type != "cuda":
         return interpreter_config()
-    if x.dtype == torch.float32:
-        return fp32_config()
-    if not cuda_facts(device_index(x.device))[1]:
-        return gpu_config().replace(tma=False)
-    return gpu_config()
+    return _device_config(device_index(x.device), x.dtype)
 
 
 def _dz_config(x: torch.Tensor) -> Config:
