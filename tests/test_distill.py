@@ -12,7 +12,7 @@ import torch
 import logitless
 from logitless import testing
 
-from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
+from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves, spy_launches
 
 # kind -> (public function, its extra keyword arguments); "jsd-0" / "jsd-1" are the edges of beta
 CASES = {
@@ -175,18 +175,7 @@ def test_triton_persistent_dz(case, tune, monkeypatch):
         pytest.skip("no tensor descriptors in this Triton")
     tune(two_heads_config=interpreter_config().replace(tma=True))
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, n=40, ds=24, dt=16, v=300)
-    seen, real = [], two_heads._two_dz_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                seen.append((grid[0], kw["PERSISTENT"]))
-                return launch(*a, **kw)
-            return run
-
-    monkeypatch.setattr(two_heads, "_two_dz_kernel", Spy())
+    seen = spy_launches(monkeypatch, two_heads, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
     fn = logitless.linear_kl_div if case == "fkl" else logitless.linear_jsd
     out = {}
     for persistent in (False, True):

@@ -33,6 +33,7 @@ from tests.helpers import (
     leaves,
     make_case,
     rel_err,
+    spy_launches,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1329,21 +1330,9 @@ def test_narrow_heads_keep_dz_in_float32(dtype):
 
 
 def spy_dz_launches(monkeypatch, record):
-    """Wraps the dz kernel until the test ends: each launch appends record(grid, its keyword arguments) to the list
+    """Each launch of the dz kernel until the test ends appends record(grid, its keyword arguments) to the list
     returned."""
-    seen, real = [], lh_kernels._dz_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                seen.append(record(grid, kw))
-                return launch(*a, **kw)
-            return run
-
-    monkeypatch.setattr(lh_kernels, "_dz_kernel", Spy())
-    return seen
+    return spy_launches(monkeypatch, lh_kernels, "_dz_kernel", record)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])

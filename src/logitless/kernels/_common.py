@@ -37,6 +37,15 @@ def cuda_facts(index: int) -> tuple[int, bool]:
             torch.cuda.get_device_capability(index)[0] >= 9)
 
 
+@functools.cache
+def max_shared_mem(index: int) -> int:
+    """Bytes of shared memory one block of CUDA device `index` may use (opt-in maximum), asked once: the tile
+    configs of every kernel family depend on it (sm_120's 99 KiB against Hopper's 227)."""
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 def num_sms(device: torch.device, interpreter_stand_in: int) -> int:
     """Streaming multiprocessors of a CUDA device; `interpreter_stand_in` (one of the INTERPRETER_SMS_*) elsewhere."""
     if device.type != "cuda":

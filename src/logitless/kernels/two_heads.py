@@ -44,6 +44,7 @@ from ._common import (
     cdiv,
     device_index,
     gradient_buffers,
+    max_shared_mem,
     new_buffer,
     num_sms,
 )
@@ -90,10 +91,7 @@ def arch_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:
 
 @functools.cache
 def _device_config(index: int, dtype: torch.dtype) -> Config:
-    from triton.runtime import driver
-
-    smem = driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return arch_config(dtype, torch.cuda.get_device_capability(index)[0], smem)
+    return arch_config(dtype, torch.cuda.get_device_capability(index)[0], max_shared_mem(index))
 
 
 def _config(x: torch.Tensor) -> Config:

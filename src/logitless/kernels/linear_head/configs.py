@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from .._common import INTERPRETER_SMS_BACKWARD, cuda_facts, device_index, num_sms
+from .._common import INTERPRETER_SMS_BACKWARD, cuda_facts, device_index, max_shared_mem, num_sms
 from .._tuning import current_tuning
 
 try:  # Triton >= 3.4
@@ -123,10 +123,7 @@ def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:
 
 @functools.cache
 def _device_config(index: int, dtype: torch.dtype) -> Config:
-    from triton.runtime import driver
-
-    smem = driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return gpu_config(dtype, torch.cuda.get_device_capability(index)[0], smem)
+    return gpu_config(dtype, torch.cuda.get_device_capability(index)[0], max_shared_mem(index))
 
 
 def config_for(x: torch.Tensor) -> Config:
