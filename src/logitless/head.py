@@ -66,18 +66,21 @@ def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
 
 
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, backend: str,
-          skip: Skip = NO_SKIP, ignore_index: int = -100, workspace_bytes: int | None = None) -> Stats:
+          skip: Skip = NO_SKIP, ignore_index: int = -100, workspace_bytes: int | None = None,
+          want_lse: bool = False) -> Stats:
     """The statistics of the head softcap(x W^T + b) * inv_temp on validated (N, D) / (V, D) inputs, through
     `backend` (choose_backend). target: (N,) int64 class ids or None (zt); a target outside [0, V) (ignored, or in
     another shard) has zt = 0. class_weight: (V,) or None, the w_j of sw. want_smooth / want_entropy: sw / ent
     (None otherwise). skip and workspace_bytes shape the Triton backward (see the module docstring); ignore_index
-    only keeps ignored targets out of the "batch" vocabulary order."""
+    only keeps ignored targets out of the "batch" vocabulary order. want_lse: the lse statistic, for a term whose
+    gradient must stay apart from logs' (the z-loss; loss_math's module docstring)."""
     if backend == "triton" and weight.shape[0] > 0:
         perm, want_tiles, tau = _skip_plan(x, weight, bias, target, skip, ignore_index, workspace_bytes)
         return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
                                     want_entropy, perm=perm, want_tiles=want_tiles, skip_threshold=tau,
-                                    workspace_bytes=workspace_bytes)
-    return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy)
+                                    workspace_bytes=workspace_bytes, want_lse=want_lse)
+    return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy,
+                               want_lse)
 
 
 def _skip_plan(x, w, b, target, skip: Skip, ignore_index, workspace_bytes):

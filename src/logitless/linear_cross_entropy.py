@@ -146,10 +146,11 @@ def linear_cross_entropy(
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,
-                    backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes)
+                    backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
+                    want_lse=z_loss > 0.0)
     valid, w_t, w_sum = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, V, st.m.dtype)
     per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum, label_smoothing,
-                                             z_loss, V)
+                                             z_loss, V, lse=st.lse)
     return loss_math.reduce_loss(per_token, valid, w_t, reduction, args.lead_shape)
 
 

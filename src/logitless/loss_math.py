@@ -3,9 +3,10 @@ coefficients of the one gradient form, the reduction, and the memory policy.
 
 The contract of the head op (logitless.head), for one row (token) i with logits z_j = softcap(x_i . W_j + b_j) / T:
 
-  Stats(m, logs, zt, sw, ent):  m the row max, logs = log sum_j exp(z_j - m) (lse = m + logs), zt = z_t the target's
-  logit (0 where the target is outside [0, V)), sw = sum_j w_j (z_j - m) (w_j the class weights, or 1), ent the
-  entropy of softmax(z); each (N,) in the accumulation dtype (float32; float64 for float64 inputs).
+  Stats(m, logs, zt, sw, ent, lse):  m the row max, logs = log sum_j exp(z_j - m) (lse = m + logs), zt = z_t the
+  target's logit (0 where the target is outside [0, V)), sw = sum_j w_j (z_j - m) (w_j the class weights, or 1), ent
+  the entropy of softmax(z), and where asked for, lse = m + logs once more, with a gradient path of its own (below);
+  each (N,) in the accumulation dtype (float32; float64 for float64 inputs).
 
 m and logs are kept apart because z_j - m is exact while a rounded float32 lse of a logit near 1e4 is off by ~1e-3.
 Every loss is a PyTorch expression of these statistics (below), so autograd turns the upstream gradients into
@@ -18,6 +19,11 @@ form of its own (At, head_coefficients). B multiplies z_j - m, not z_j, and A is
 relative to m accordingly: the difference z_j - mu of the entropy gradient would otherwise cancel catastrophically
 at |z| ~ 1e4. For autograd the row max is a constant offset: every use of the statistics is invariant to shifting
 m (with logs and sw shifted to match), so its gradient is ignored and logs carries d lse/dz_j = p_j.
+
+The lse statistic carries d lse/dz_j = p_j too, for a term that must not share logs' gradient: the z-loss. Through
+logs, autograd would add its 2 z_loss lse to the cross-entropy's w_t into one float32 number, 1.002 say, whose
+rounding (an ulp of 1) is most of the target column's gradient at a near-certain row, where that column is
+p_t 2 z_loss lse - (1 - p_t) w_t (float32, V = 2, z_loss 1e-4: d_input 100 x PyTorch's error).
 """
 
 from __future__ import annotations
@@ -63,9 +69,10 @@ class Stats(NamedTuple):
     zt: torch.Tensor | None
     sw: torch.Tensor | None
     ent: torch.Tensor | None
+    lse: torch.Tensor | None = None
 
 
-def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=None, zt=None):
+def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=None, zt=None, g_lse=None):
     """Per-row (A, B, C, E, At) of dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j from the upstream gradients of
     the statistics (None where a statistic has none): d logs/dz_j = p_j (m held constant), d zt/dz_j = [j == t],
     d sw/dz_j = w_j, dH/dz_j = -p_j (z_j - (lse - H)). In the statistics' dtype, contiguous.
@@ -76,9 +83,17 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
     - m)) - C - E w_t with At = A - C and C = (1 - p_t) C_0 (C_0 the C above) formed from rest (1 - p_t = rest / S,
     S = exp(logs)). The same value as p_t A - C_0, but for a near-certain row p_t A and C_0 agree to all of p_t's
     float32 digits (and S = 1 + r rounds r away: logs, hence p_t, is off by up to half an ulp of 1), so their
-    difference was mostly rounding."""
+    difference was mostly rounding.
+
+    g_lse: the upstream gradient of the lse statistic (the z-loss's), kept apart from g_logs until At = (g_logs +
+    g_zt) + g_lse, in which the first two cancel exactly for a plain cross-entropy. The target's column then takes
+    that form whenever g_lse is given, with 1 - p_t from rest, or without it from zt: -expm1((z_t - m) - logs), as
+    precise as PyTorch's own p_t (the rounding of S enters both)."""
     acc = logs.dtype
     A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
+    if g_lse is not None:
+        g_lse = g_lse.to(acc)
+        A = (A + g_lse).contiguous()
     B = C = E = At = None
     if g_ent is not None:
         g_ent = g_ent.to(acc)
@@ -87,14 +102,20 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
         B = (-g_ent).contiguous()
     if g_zt is not None:
         C = (-g_zt.to(acc)).contiguous()
-        if rest is not None:
+        if rest is not None or (g_lse is not None and zt is not None):
             # At = A - C, summed from its parts: for log p_t, g_logs + g_zt is exactly 0.
             At = (g_logs.to(acc) if g_logs is not None else torch.zeros_like(logs)) + g_zt.to(acc)
             if g_ent is not None:
                 At = At + g_ent * ((logs - ent) if mu is None else mu)
+            if g_lse is not None:
+                At = At + g_lse
             At = At.contiguous()
             # 1 - p_t in [0, 1]; an empty head (logs = -inf) has rest = 0 and no column.
-            C = (C * one_minus_pt(rest, logs, None if zt is None else torch.exp(zt - m))).contiguous()
+            if rest is not None:
+                q = one_minus_pt(rest, logs, None if zt is None else torch.exp(zt - m))
+            else:
+                q = torch.nan_to_num(-torch.expm1((zt - m) - logs), nan=0.0).clamp_(0.0, 1.0)
+            C = (C * q).contiguous()
     if g_sw is not None:
         E = (-g_sw.to(acc)).contiguous()
     return A, B, C, E, At
@@ -117,9 +138,10 @@ def ce_row_terms(target, class_w, ignore_index, label_smoothing, V, dtype=torch.
     return valid, w_t, w_sum
 
 
-def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V):
+def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V, lse=None):
     """Per-token loss (0 at ignored rows) from the per-row statistics (lse = m + logs); sw = sum_j w_j (z_j - ref)
-    (ref = m for the head op's statistics)."""
+    (ref = m for the head op's statistics). lse: the statistic of that name where the head op gives it, which the
+    z-loss then takes (its gradient kept apart from the cross-entropy's; module docstring)."""
     # (Each op here is a launch and an autograd node on the host: none is spent on a factor of exactly 1.)
     eps = float(label_smoothing)
     if eps > 0.0:
@@ -128,7 +150,8 @@ def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing,
     else:
         loss = w_t * ((m - zt) + logs)
     if z_loss > 0.0:
-        lse = m + logs
+        if lse is None:
+            lse = m + logs
         loss = loss + z_loss * lse * lse
     return torch.where(valid, loss, 0.0)
 

@@ -277,41 +277,46 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
 
 
 class _HeadStats(torch.autograd.Function):
-    """The head op on this backend: (x, W, b) -> Stats as five tensors (empty where not asked for); the backward
+    """The head op on this backend: (x, W, b) -> Stats as six tensors (empty where not asked for); the backward
     turns the statistics' upstream gradients into (A, B, C, E) (loss_math.head_coefficients) for head_backward."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy):
+    def forward(ctx, x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy, want_lse):
         st, mu, rest = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
+        if want_lse:
+            st = st._replace(lse=st.m + st.logs)
         empty = st.m.new_empty(0)
         out = tuple(empty.clone() if s is None else s for s in st)
         ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4], mu, rest, st.zt)
-        ctx.opts = (softcap, inv_temp, want_smooth, want_entropy)
+        ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, want_lse)
         return out
 
     @staticmethod
     @first_order_only
-    def backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent):
+    def backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, g_lse):
         x, w, b, target, class_w, m, logs, ent, mu, rest, zt = ctx.saved_tensors
-        softcap, inv_temp, want_smooth, want_entropy = ctx.opts
+        softcap, inv_temp, want_smooth, want_entropy, want_lse = ctx.opts
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         coef = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
-                                 g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest, zt)
+                                 g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest, zt,
+                                 g_lse if want_lse else None)
         dx, dw, db = head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, needs)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
-def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy) -> Stats:
+def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy, want_lse=False) -> Stats:
     """The head op's statistics through this backend, differentiable with respect to x, w and b. It computes in
     the inputs' dtypes (float32 math), as the Triton kernels do: autocast, which would run its blocks' products in
     bfloat16, is off inside (the backward runs without it anyway). x may be wider than w (float32 hidden states of
-    a bfloat16 head): dx then comes back in x's dtype, before any rounding to w's."""
+    a bfloat16 head): dx then comes back in x's dtype, before any rounding to w's. want_lse: the lse statistic
+    (loss_math's module docstring)."""
     cw = None if class_w is None else class_w.to(acc_dtype(x.dtype))
     with torch.autocast(x.device.type, enabled=False):
-        out = _HeadStats.apply(x, w, b, target, cw, softcap, inv_temp, bool(want_smooth), bool(want_entropy))
-    m, logs, zt, sw, ent = out
+        out = _HeadStats.apply(x, w, b, target, cw, softcap, inv_temp, bool(want_smooth), bool(want_entropy),
+                               bool(want_lse))
+    m, logs, zt, sw, ent, lse = out
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
-                 ent if want_entropy else None)
+                 ent if want_entropy else None, lse if want_lse else None)
 
 
 def one_class_logits(x, w, b, softcap, inv_temp):

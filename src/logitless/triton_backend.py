@@ -23,8 +23,8 @@ def kernels():
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
-                 "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx) "
-                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx, bool want_lse) "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _has_rest(target, perm, want_entropy) -> bool:
@@ -41,7 +41,7 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-              skip_threshold, workspace_bytes, want_stash, stash_dx):
+              skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
     backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
     the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash and
@@ -49,7 +49,9 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
     m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
     so its gradient is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold,
-    workspace_bytes and stash_dx (the backward computes the input's gradient) are for the backward."""
+    workspace_bytes and stash_dx (the backward computes the input's gradient) are for the backward. Last, with
+    want_lse, lse = m + logs as a statistic with a gradient of its own (loss_math's module docstring; else
+    empty)."""
     lh = kernels()
     # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
     # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)
@@ -66,19 +68,21 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     if tiles is None or x.shape[0] == 0:
         tiles = x.new_empty(0, dtype=torch.float16)
     mu, rest = (mu_rest[0], mu_rest[1]) if mu_rest is not None else (x.new_empty(0, dtype=torch.float32),) * 2
-    return (*stats, tiles, stash if stash is not None else weight.new_empty(0), mu.clone(), rest.clone())
+    lse = stats[0] + stats[1] if want_lse else x.new_empty(0, dtype=torch.float32)
+    return (*stats, tiles, stash if stash is not None else weight.new_empty(0), mu.clone(), rest.clone(), lse)
 
 
 @_stats_op.register_fake
 def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-      skip_threshold, workspace_bytes, want_stash, stash_dx):
+      skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse):
     tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float16)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
     n_mu = x.shape[0] if _has_rest(target, perm, want_entropy) else 0
     return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash,
-            x.new_empty(n_mu, dtype=torch.float32), x.new_empty(n_mu, dtype=torch.float32))
+            x.new_empty(n_mu, dtype=torch.float32), x.new_empty(n_mu, dtype=torch.float32),
+            x.new_empty(x.shape[0] if want_lse else 0, dtype=torch.float32))
 
 
 _GRAD_ARGS = ("Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, Tensor m, Tensor logs, "
@@ -140,13 +144,13 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 
 def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
-     ws, _want_stash, _stash_dx) = inputs
-    m, logs, zt, _, ent, tiles, stash, mu, rest = output
+     ws, _want_stash, _stash_dx, want_lse) = inputs
+    m, logs, zt, _, ent, tiles, stash, mu, rest, _lse = output
     has_rest = _has_rest(target, perm, want_entropy)
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
                           tiles if want_tiles and x.shape[0] != 0 else None, mu if has_rest and want_entropy else None,
-                          rest if has_rest else None, zt if has_rest else None)
-    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws)
+                          rest if has_rest else None, zt if has_rest or (want_lse and target is not None) else None)
+    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse)
     # The stash is not a saved tensor: the backward writes dW over it (a saved tensor's version check would fail)
     # and hands it on as the weight's gradient after dropping this reference, so that AccumulateGrad takes it over
     # without a copy. Non-differentiable, so it holds no reference back to this node.
@@ -156,16 +160,16 @@ def _stats_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g_mu, _g_rest):
+def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g_mu, _g_rest, g_lse):
     x, weight, bias, target, class_weight, m, logs, ent, perm, tiles, mu, rest, zt = ctx.saved_tensors
-    softcap, inv_temp, want_smooth, want_entropy, tau, ws = ctx.opts
+    softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
-        return (None,) * 15
+        return (None,) * 16
     A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                        g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest,
-                                       zt)
+                                       zt, g_lse if want_lse else None)
     # The stash is used up by the first backward (it becomes dW); another one (retain_graph=True) recomputes, and
     # so does a backward that builds a graph (create_graph=True: the functional op, whose double backward raises).
     stash, ctx.stash = ctx.stash, None
@@ -176,7 +180,7 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g
     else:
         dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
                               need_dx, need_dw, need_db, perm, tiles, tau, ws, At)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 12
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 13
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
@@ -186,10 +190,10 @@ torch.library.register_autograd("logitless::linear_head_grad", no_double_backwar
 
 
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, perm=None,
-          want_tiles=False, skip_threshold=0.0, workspace_bytes=None) -> Stats:
+          want_tiles=False, skip_threshold=0.0, workspace_bytes=None, want_lse=False) -> Stats:
     """The head op's statistics through the kernels (differentiable; float32, bfloat16 or float16 inputs of one
     dtype, at least one class); perm / want_tiles / skip_threshold from head.skip_plan; workspace_bytes for the
-    backward (None: the memory policy)."""
+    backward (None: the memory policy); want_lse: the lse statistic (loss_math's module docstring)."""
     cw = None if class_weight is None else class_weight.float().contiguous()
     # The forward keeps logits for the backward in the weight gradient's buffer where it has room (kernels.Tuning's
     # stash_logits; the layout: kernels/linear_head/plans.py): not when tracing for torch.compile, whose backward
@@ -197,8 +201,9 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     # backward's memory).
     want_stash = (torch.is_grad_enabled() and weight.requires_grad and not want_tiles and perm is None
                   and not torch.compiler.is_compiling())
-    m, logs, zt, sw, ent = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap),
-                                     float(inv_temp), bool(want_smooth), bool(want_entropy), perm, bool(want_tiles),
-                                     float(skip_threshold), workspace_bytes, want_stash, x.requires_grad)[:5]
+    out = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap), float(inv_temp),
+                    bool(want_smooth), bool(want_entropy), perm, bool(want_tiles), float(skip_threshold),
+                    workspace_bytes, want_stash, x.requires_grad, bool(want_lse))
+    m, logs, zt, sw, ent = out[:5]
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
-                 ent if want_entropy else None)
+                 ent if want_entropy else None, out[9] if want_lse else None)
