@@ -104,18 +104,20 @@ class _Gather(torch.autograd.Function):
 
 
 def _global_stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, *, group: _Group,
-                  backend: str, skip: head.Skip, workspace_bytes) -> tuple[Stats, torch.Tensor | None, object]:
+                  backend: str, skip: head.Skip, workspace_bytes, want_lse: bool = False
+                  ) -> tuple[Stats, torch.Tensor | None, object]:
     """The head op's Stats over the whole vocabulary (sw relative to the global max), identical on every rank, with
     the target's class weight (None without class weights) and the sum of the class weights (the vocabulary size
-    without them; only with want_smooth). Collectives: one all-gather of a few floats per row; in the backward, one
-    all-reduce of the input's gradient (when it needs one)."""
+    without them; only with want_smooth). want_lse: the lse statistic (loss_math), the log-sum-exp of the shards'
+    own, so that its gradient reaches each shard's op apart from logs'. Collectives: one all-gather of a few floats
+    per row; in the backward, one all-reduce of the input's gradient (when it needs one)."""
     if backend == "torch":
         # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one rounding.
         x = x.to(torch_backend.acc_dtype(x.dtype))
     if x.requires_grad and torch.is_grad_enabled() and group.size > 1:
         x = _SumGradOverGroup.apply(x, group)
     st = head.stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
-                    skip=skip, ignore_index=-1, workspace_bytes=workspace_bytes)
+                    skip=skip, ignore_index=-1, workspace_bytes=workspace_bytes, want_lse=want_lse)
     v_local, n = w.shape[0], st.m.shape[0]
     rows = [r for r in st if r is not None]
     if class_w is not None and t_local is not None:  # the target's class weight: in one shard, 0 in the others
@@ -133,7 +135,7 @@ def _global_stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, wan
     rel = (m_all - M) + logs_all  # lse_r - M; -inf for an empty shard
     logs = torch.logsumexp(rel, dim=0)
     i = 2
-    zt = sw = ent = w_t = w_sum = None
+    zt = sw = ent = lse = w_t = w_sum = None
     if st.zt is not None:
         zt = g[:, i].sum(dim=0)
         i += 1
@@ -151,9 +153,12 @@ def _global_stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, wan
         q = torch.exp(log_q)
         ent = (q * (g[:, i] - torch.where(q > 0, log_q, 0.0))).sum(dim=0)
         i += 1
+    if st.lse is not None:
+        lse = torch.logsumexp(g[:, i], dim=0)
+        i += 1
     if class_w is not None and t_local is not None:
         w_t = g[:, i].sum(dim=0)
-    return Stats(M, logs, zt, sw, ent), w_t, w_sum
+    return Stats(M, logs, zt, sw, ent, lse), w_t, w_sum
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -395,10 +400,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st, w_t, w_sum = _global_stats(x, w, b, t_local, cw, softcap, 1.0, label_smoothing > 0.0, False, group=group,
-                                   backend=chosen, skip=skip, workspace_bytes=workspace_bytes)
+                                   backend=chosen, skip=skip, workspace_bytes=workspace_bytes,
+                                   want_lse=z_loss > 0.0)
     w_t = valid.to(st.m.dtype) if w_t is None else torch.where(valid, w_t, 0.0)
     per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum,
-                                             label_smoothing, z_loss, layout.vocab)
+                                             label_smoothing, z_loss, layout.vocab, lse=st.lse)
     return loss_math.reduce_loss(per_token, valid, w_t, reduction, lead)
 
 
