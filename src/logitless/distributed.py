@@ -401,7 +401,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st, w_t, w_sum = _global_stats(x, w, b, t_local, cw, softcap, 1.0, label_smoothing > 0.0, False, group=group,
                                    backend=chosen, skip=skip, workspace_bytes=workspace_bytes,
-                                   want_lse=z_loss > 0.0)
+                                   want_lse=loss_math.z_loss_apart(z_loss, x, w))
     w_t = valid.to(st.m.dtype) if w_t is None else torch.where(valid, w_t, 0.0)
     per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum,
                                              label_smoothing, z_loss, layout.vocab, lse=st.lse)

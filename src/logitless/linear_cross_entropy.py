@@ -147,7 +147,7 @@ def linear_cross_entropy(
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,
                     backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
-                    want_lse=z_loss > 0.0)
+                    want_lse=loss_math.z_loss_apart(z_loss, args.x, args.weight))
     valid, w_t, w_sum = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, V, st.m.dtype)
     per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum, label_smoothing,
                                              z_loss, V, lse=st.lse)
