@@ -53,12 +53,17 @@ def default_workspace_bytes(n: int, V: int, acc_bytes: int = 0) -> int:
     return max(POLICY_MIN_BYTES + acc_bytes, 2 * n * V // POLICY_LOGITS_DIVISOR)
 
 
-def one_minus_pt(rest, logs, e_t=None):
+def one_minus_pt(rest, logs, e_t=None, zt_m=None):
     """1 - p_t = rest / S per row, in [0, 1], without the cancellation of 1 - p_t: at a near-certain row it is the
     small sum of the other classes' mass. With e_t = exp(z_t - m), S = rest + e_t: rest's own rounding then enters
     only as p_t times it, where S = exp(logs) keeps the log's rounding, eps |logs| (2.5 ulp at V = 13, near-uniform,
-    against PyTorch's half ulp of 1 - p_t). An empty head (logs = -inf) has rest = 0: 0."""
-    q = rest * torch.exp(-logs) if e_t is None else rest / (rest + e_t)
+    against PyTorch's half ulp of 1 - p_t). An empty head (logs = -inf) has rest = 0: 0. Without rest (a forward
+    that did not sum it), from zt_m = z_t - m: -expm1(zt_m - logs), which keeps S's rounding as PyTorch's own p_t
+    does."""
+    if rest is None:
+        q = -torch.expm1(zt_m - logs)
+    else:
+        q = rest * torch.exp(-logs) if e_t is None else rest / (rest + e_t)
     return torch.nan_to_num(q, nan=0.0).clamp_(0.0, 1.0)
 
 
@@ -88,8 +93,7 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
 
     g_lse: the upstream gradient of the lse statistic (the z-loss's), kept apart from g_logs until At = (g_logs +
     g_zt) + g_lse, in which the first two cancel exactly for a plain cross-entropy. The target's column then takes
-    that form whenever g_lse is given, with 1 - p_t from rest, or without it from zt: -expm1((z_t - m) - logs), as
-    precise as PyTorch's own p_t (the rounding of S enters both)."""
+    that form whenever g_lse is given, with 1 - p_t from rest, or without it from zt (one_minus_pt)."""
     acc = logs.dtype
     A = torch.zeros_like(logs) if g_logs is None else g_logs.to(acc).contiguous()
     if g_lse is not None:
@@ -112,10 +116,8 @@ def head_coefficients(m, logs, ent, g_logs, g_zt, g_sw, g_ent, mu=None, rest=Non
                 At = At + g_lse
             At = At.contiguous()
             # 1 - p_t in [0, 1]; an empty head (logs = -inf) has rest = 0 and no column.
-            if rest is not None:
-                q = one_minus_pt(rest, logs, None if zt is None else torch.exp(zt - m))
-            else:
-                q = torch.nan_to_num(-torch.expm1((zt - m) - logs), nan=0.0).clamp_(0.0, 1.0)
+            zt_m = None if zt is None else zt - m
+            q = one_minus_pt(rest, logs, None if rest is None or zt_m is None else torch.exp(zt_m), zt_m)
             C = (C * q).contiguous()
     if g_sw is not None:
         E = (-g_sw.to(acc)).contiguous()
