@@ -134,20 +134,39 @@ def test_fused_path_gradients_accumulate_and_leading_dims():
     torch.testing.assert_close(wo.grad, wr.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_fused_path_second_backward_raises():
+def test_fused_path_backward_any_number_of_times():
+    # PyTorch's contract: while the graph is kept, every backward gives the same gradients (fresh tensors, the
+    # forward's stay unscaled); the backward that frees the graph scales in place; after it, PyTorch's own error.
     x, w, _, t = make_case(torch.float32)
     xo, wo = leaves(x, w)
     loss = lce(xo, wo, t)
+    assert _fused(loss)
+    grads = [torch.autograd.grad(loss * s, (xo, wo), retain_graph=True) for s in (1.0, 3.0, 1.0)]
+    last = torch.autograd.grad(loss, (xo, wo))
+    for a, b in zip(grads[0], grads[2], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(grads[0], last, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(3.0 * a, b)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    # .backward(retain_graph=True) twice accumulates twice the same gradient
+    loss = lce(xo, wo, t)
     loss.backward(retain_graph=True)
     g = xo.grad.clone()
-    with pytest.raises(RuntimeError, match="second backward through the same loss is not supported"):
-        loss.backward()
-    assert torch.equal(xo.grad, g)  # the first backward's gradients stay as they were
-    # without retain_graph, PyTorch's own error
-    loss = lce(xo, wo, t)
     loss.backward()
-    with pytest.raises(RuntimeError):
-        loss.backward()
+    assert torch.equal(xo.grad, g + g)
+
+
+def test_fused_path_gradcheck():
+    # float64 gradcheck through the default call (it takes many backwards through one kept graph)
+    x, w, b, t = make_case(torch.float64, bias=True)
+    x, w, b, t = x[:5], w[:11], b[:11], t[:5] % 11
+    xo, wo, bo = leaves(x, w, b)
+    assert _fused(lce(xo, wo, t, linear_bias=bo))
+    for kw in (dict(), dict(reduction="sum", label_smoothing=0.2), dict(z_loss=1e-2, softcap=3.0)):
+        assert torch.autograd.gradcheck(lambda x_, w_, b_, kw=kw: lce(x_, w_, t, linear_bias=b_, **kw), (xo, wo, bo))
 
 
 def test_generic_path_where_the_fused_one_does_not_apply():

@@ -51,6 +51,20 @@ def first_order_only(backward):
     return wrapper
 
 
+def graph_kept() -> bool:
+    """Whether the backward pass running now keeps the graph (``retain_graph=True``, which ``torch.autograd.grad``
+    and gradcheck ask for): a backward that hands out buffers computed in its forward may scale them in place only
+    when it is not, since a kept graph may be differentiated again. Where this torch has no such query the answer is
+    True: fresh outputs are always right, in place is only cheaper."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if query is None:
+        return True
+    try:
+        return bool(query())
+    except RuntimeError:  # called outside a backward pass
+        return True
+
+
 def no_setup(ctx, inputs, output):
     """setup_context of a torch.library op whose autograd formula only refuses (no_double_backward)."""
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._autograd import first_order_only
+from ._autograd import first_order_only, graph_kept
 from .loss_math import (
     Stats,
     ce_backward_coef,
@@ -595,7 +595,8 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
 
 class _FusedCrossEntropy(torch.autograd.Function):
     """(x, W, b) -> the reduced cross-entropy, with the gradients computed in the forward (_fused_forward); the
-    backward scales them by the upstream gradient, in place, and hands them out once."""
+    backward scales them by the upstream gradient: into fresh tensors while the graph is kept (any number of
+    backwards with retain_graph=True give the same gradients), in place in the backward that frees the graph."""
 
     @staticmethod
     def forward(ctx, x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows):
@@ -613,13 +614,16 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @first_order_only
     def backward(ctx, g):
         grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "logitless.linear_cross_entropy: this loss's gradients were computed in its forward and handed out "
-                "by an earlier backward (the PyTorch path's fused training path scales them in place); a second "
-                "backward through the same loss is not supported. Call linear_cross_entropy again for another "
-                "backward.")
-        ctx.grads = None  # no reference left here: autograd can take the tensors over as .grad without a copy
+        if grads is None:  # the graph was freed by an earlier backward: PyTorch's own error says so
+            _ = ctx.saved_tensors
+            raise RuntimeError("logitless.linear_cross_entropy: backward through a graph that was already freed; "
+                               "pass retain_graph=True to the earlier backward")
+        if graph_kept():  # the graph may be differentiated again: the unscaled gradients stay for that backward
+            out = tuple(None if t is None else (t * g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
+            return (*out, None, None, None, None, None, None, None, None)
+        # The last backward through this graph: scale in place and keep no reference, so that autograd can take the
+        # tensors over as .grad without a copy (the single backward's memory stays that of the gradients alone).
+        ctx.grads = None
         out = tuple(None if t is None else t.mul_(g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
         del grads
         return (*out, None, None, None, None, None, None, None, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import no_double_backward, no_setup
+from ._autograd import graph_kept, no_double_backward, no_setup
 from .loss_math import Stats, head_coefficients
 
 
@@ -170,10 +170,12 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g
     A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                        g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest,
                                        zt, g_lse if want_lse else None)
-    # The stash is used up by the first backward (it becomes dW); another one (retain_graph=True) recomputes, and
-    # so does a backward that builds a graph (create_graph=True: the functional op, whose double backward raises).
+    # The stash is used up by the first backward (it becomes dW), and only by one that frees the graph: while the
+    # graph is kept (retain_graph=True, autograd.grad, gradcheck) every backward recomputes, so that all of them give
+    # the same gradients bit for bit. A backward that builds a graph (create_graph=True: the functional op, whose
+    # double backward raises) recomputes too.
     stash, ctx.stash = ctx.stash, None
-    if stash is not None and not torch.is_grad_enabled() and need_dw:
+    if stash is not None and not torch.is_grad_enabled() and need_dw and not graph_kept():
         dx, db = _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
                                need_dx, need_dw, need_db, perm, tiles, tau, ws, At, stash)
         dw = stash
