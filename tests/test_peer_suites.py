@@ -145,6 +145,94 @@ def test_pytorch_cross_entropy_samples(backend, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# PyTorch's float64 gradchecks (its OpInfo samples and the ModuleInfo inputs of nn.LinearCrossEntropyLoss) through
+# the default call: gradcheck takes many backwards through one kept graph, and checks undefined upstream gradients.
+# Batched gradients (is_grads_batched=True, a vmap over the backward) are not supported (docs/peers.md), and
+# neither is forward-mode AD: both are off here.
+
+
+def _opinfos(name):
+    cmi = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+    ops = [o for o in cmi.op_db if o.name == name]
+    if not ops:
+        pytest.skip(f"this PyTorch has no OpInfo for {name}")
+    return ops
+
+
+def _gradcheck(fn, inputs):
+    assert torch.autograd.gradcheck(fn, inputs, check_batched_grad=False, check_undefined_grad=True)
+
+
+def test_pytorch_linear_cross_entropy_gradchecks():
+    checked = 0
+    for op in _opinfos("nn.functional.linear_cross_entropy"):  # its variants: plain, chunked, chunked_none
+        torch.manual_seed(0)
+        for s in op.sample_inputs("cpu", torch.float64, requires_grad=True):
+            w, t = s.args
+            if w.dim() != 2 or t.is_floating_point():  # refused with a clear error: test_pytorch_*_samples
+                continue
+            kw = dict(s.kwargs)
+            cw, b = kw.pop("weight", None), kw.pop("linear_bias", None)
+
+            def fn(x, w_, *b_, t=t, kw=kw, cw=cw):
+                return logitless.linear_cross_entropy(x, w_, t, linear_bias=b_[0] if b_ else None, weight=cw, **kw)
+
+            _gradcheck(fn, [s.input, w] + ([] if b is None else [b]))
+            checked += 1
+    assert checked >= 80, checked
+
+
+def test_pytorch_cross_entropy_gradchecks():
+    checked = 0
+    for op in _opinfos("nn.functional.cross_entropy"):
+        torch.manual_seed(0)
+        for s in op.sample_inputs("cpu", torch.float64, requires_grad=True):
+            (t,) = s.args
+            if t.is_floating_point():
+                continue
+            kw = dict(s.kwargs)
+            cw = kw.pop("weight", None)
+
+            def fn(z, t=t, kw=kw, cw=cw):  # logitless takes the classes in the last dimension
+                return logitless.cross_entropy(z.movedim(1, -1) if z.dim() > 1 else z, t, weight=cw, **kw)
+
+            _gradcheck(fn, [s.input])
+            checked += 1
+    assert checked >= 10, checked
+
+
+def test_pytorch_linear_cross_entropy_module_gradchecks():
+    cm = pytest.importorskip("torch.testing._internal.common_modules")
+    infos = [m for m in cm.module_db if m.module_cls.__name__ == "LinearCrossEntropyLoss"]
+    if not infos:
+        pytest.skip("this PyTorch has no ModuleInfo for LinearCrossEntropyLoss")
+    info, checked = infos[0], 0
+    torch.manual_seed(0)
+    for mi in info.module_inputs_func(info, "cpu", torch.float64, True, True):
+        ck = mi.constructor_input.kwargs
+        x, t = mi.forward_input.args
+        if ck.get("out_features", ()) != () or t.is_floating_point():  # K-dimensional / probability targets
+            continue
+        module = info.module_cls(*mi.constructor_input.args, **ck)
+        params = list(module.parameters())  # the weight, then the bias if any
+        kw = dict(reduction=ck.get("reduction", "mean"), label_smoothing=ck.get("label_smoothing", 0.0),
+                  weight=ck.get("weight"))
+        if ck.get("ignore_index") is not None:
+            kw["ignore_index"] = ck["ignore_index"]
+
+        def fn(x_, w_, *b_, t=t, kw=kw):
+            return logitless.linear_cross_entropy(x_, w_, t, linear_bias=b_[0] if b_ else None, **kw)
+
+        with torch.no_grad():
+            want = module(x, t)
+            got = fn(x, *params)
+        torch.testing.assert_close(got, want)
+        _gradcheck(fn, [x, *params])
+        checked += 1
+    assert checked >= 200, checked
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Liger-Kernel: fused linear cross-entropy and cross-entropy
 
 
