@@ -1,11 +1,13 @@
 """The PyTorch path (logitless.torch_backend, the CPU default) against eager PyTorch on this CPU, interleaved.
 
     PYTHONPATH=src python tools/cpu_torch_path.py [--shape 512,128,32000] [--rounds 5] [--threads 2] [--generic]
-        [--old OLD_REFERENCE.py]      # e.g. git show REV:src/logitless/reference.py > old_reference.py
+
+To compare two versions of the package, run it once per source tree (`git archive REV src | tar -x -C old`, then
+`PYTHONPATH=old/src`), one after the other, and compare the ratios to eager.
 
 float32, lm-like data (logitless.bench.data), mean loss. Per round, in an order that alternates between rounds:
 fwd+bwd and no-grad forward of linear_cross_entropy(backend="torch"), of eager PyTorch (x @ W.T, then
-F.cross_entropy), of --old's twin when given, and with --generic of the path without its fused training path and
+F.cross_entropy), and with --generic of the path without its fused training path and
 with the backward's block size in the forward (float32 torch_backend.py as it was before both). Prints the median
 and the minimum of each, and their ratios to eager: on a shared machine the other processes' load moves every
 number, so only ratios within one run mean much.
@@ -16,7 +18,6 @@ Peak memory (once, after the timing): PyTorch's profiler's CPU allocator events 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 
@@ -33,7 +34,6 @@ def main() -> None:
     p.add_argument("--shape", default="512,128,32000")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--old", help="another version of src/logitless/reference.py to time too")
     p.add_argument("--generic", action="store_true", help="also time the path without the fused training path")
     args = p.parse_args()
     if args.threads:
@@ -41,16 +41,9 @@ def main() -> None:
     N, D, V = (int(v) for v in args.shape.split(","))
     head = data.make_head("lm", N, D, V, dtype=torch.float32, device="cpu", seed=0)
     x0, w0, t = head.input, head.weight, head.target
-    old = None
-    if args.old:
-        spec = importlib.util.spec_from_file_location("logitless.reference_old", args.old)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
 
     fns = {"ours": lambda x, w: logitless.linear_cross_entropy(x, w, t, backend="torch"),
            "eager": lambda x, w: F.cross_entropy(x @ w.T, t)}
-    if old is not None:
-        fns["old"] = lambda x, w: old.linear_cross_entropy(x, w, t)
     if args.generic:
         fns["generic"] = lambda x, w: _generic(lambda: logitless.linear_cross_entropy(x, w, t, backend="torch"))
 

@@ -1,4 +1,4 @@
-"""The Triton backend of the head op: the launchers of kernels/linear_head.py as torch.library ops.
+"""The Triton backend of the head op: the launchers of the kernels/linear_head package as torch.library ops.
 
 ``logitless::linear_head_stats`` returns the statistics of loss_math's contract (plus the tiles and the stash that
 the backward's options need) and is differentiable: its autograd formula turns the statistics' upstream gradients
@@ -15,7 +15,7 @@ from .loss_math import Stats, head_coefficients
 
 
 def kernels():
-    """kernels/linear_head.py, imported on first use so that `import logitless` does not import Triton."""
+    """The kernels/linear_head package, imported on first use so that `import logitless` does not import Triton."""
     from .kernels import linear_head
 
     return linear_head
@@ -44,7 +44,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
               skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
     backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
-    the forward keeps logits for the backward (kernels/linear_head.py, stash_layout; empty unless want_stash and
+    the forward keeps logits for the backward (kernels/linear_head/plans.py, stash_layout; empty unless want_stash and
     there is room), and with the entropy and a target (no perm: _has_rest) the backward's (mu, rest)
     (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
     m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
@@ -107,7 +107,8 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
              need_db, perm, tile_lse, skip_threshold, workspace_bytes, At):
     """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j (with At, the target's column
     p_t (At + B (z_t - m)) - C - E w_t: loss_math.head_coefficients); a gradient not asked for is empty.
-    With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped (kernels/linear_head.py)."""
+    With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped
+    (kernels/linear_head/plans.py, skip_plan)."""
     dx, dw, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
                            need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
