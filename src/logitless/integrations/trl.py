@@ -61,22 +61,37 @@ class _Plan:
     refusal: str | None
     options: dict
     warned: set = dataclasses.field(default_factory=set)
+    disabled: bool = False  # unpatched while wrapped by another forward: passes every call to prior_forward
+
+
+def _chain(fn):
+    """The forward and what it wraps, outermost first: bound methods, ``functools.wraps`` wrappers, accelerate's
+    mixed-precision wrapper (which the trainer puts around a model's forward when it prepares it), this module's."""
+    for _ in range(16):
+        if fn is None:
+            return
+        yield fn
+        if isinstance(fn, functools.partial) and fn.func is _forward:
+            fn = fn.args[1].prior_forward
+        else:
+            fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
 
 
 def _trl_head_settings(model: nn.Module) -> dict:
     """The settings of the fused head TRL installed on ``model`` (its temperature, outputs, fp32 cast)."""
-    fwd = vars(model).get("forward")
-    func = getattr(fwd, "__func__", None)
-    code = getattr(func, "__code__", None)
     try:
         from trl.trainer import utils as trl_utils
     except ImportError as e:
         raise ImportError("logitless.integrations.trl needs TRL (pip install trl)") from e
-    if code is None or code.co_name != "_fused_forward" or func.__globals__ is not vars(trl_utils):
+    func = next((f for f in _chain(vars(model).get("forward"))
+                 if getattr(getattr(f, "__code__", None), "co_name", None) == "_fused_forward"
+                 and getattr(f, "__globals__", None) is vars(trl_utils)), None)
+    if func is None:
         raise ValueError(
             f"this {type(model).__name__} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head): patch the "
             "trainer after constructing it, or call add_fused_lm_head on the model first"
         )
+    code = func.__code__
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ()), strict=True))
     missing = {"temperature", "cast_lm_head_to_fp32", "outputs"} - cells.keys()
     if missing:
@@ -115,7 +130,7 @@ def _fallback(model: nn.Module, plan: _Plan, reason: str, args, kwargs):
 
 
 def _forward(model: nn.Module, plan: _Plan, *args, **kwargs):
-    if not kwargs.get("fused_lm_head", False):
+    if plan.disabled or not kwargs.get("fused_lm_head", False):
         return plan.prior_forward(*args, **kwargs)
     if plan.refusal is not None:
         return _fallback(model, plan, plan.refusal, args, kwargs)
@@ -241,9 +256,10 @@ def _scan(x, weight, bias, target, softcap, temperature, want) -> dict:
 
 
 def _installed_plan(model: nn.Module) -> _Plan | None:
-    fwd = vars(model).get("forward")
-    if isinstance(fwd, functools.partial) and fwd.func is _forward:
-        return fwd.args[1]
+    """The plan of this module's forward on ``model``, the outermost one where forwards were wrapped again."""
+    for fn in _chain(vars(model).get("forward")):
+        if isinstance(fn, functools.partial) and fn.func is _forward and not fn.args[1].disabled:
+            return fn.args[1]
     return None
 
 
@@ -269,7 +285,7 @@ def _patch_model(model: nn.Module, options: dict) -> None:
     rules, refusal = _refusal(model)
     if refusal is not None and options["strict"]:
         raise UnsupportedModelError(f"logitless.integrations.trl: {type(model).__name__}: {refusal}")
-    plan = _Plan(prior_forward=vars(model)["forward"], temperature=float(settings["temperature"]),
+    plan = _Plan(prior_forward=model.forward, temperature=float(settings["temperature"]),
                  cast_lm_head_to_fp32=bool(settings["cast_lm_head_to_fp32"]), outputs=tuple(settings["outputs"]),
                  rules=rules, refusal=refusal, options=options)
     _validate.check_options(temperature=plan.temperature)
@@ -284,9 +300,14 @@ def _patch_model(model: nn.Module, options: dict) -> None:
 def _unpatch_model(model: nn.Module) -> None:
     plan = _installed_plan(model)
     if plan is None:
-        raise ValueError(f"logitless.integrations.trl.unpatch: this {type(model).__name__} is not patched (or its "
-                         "forward was replaced after patch)")
-    model.forward = plan.prior_forward
+        raise ValueError(f"logitless.integrations.trl.unpatch: this {type(model).__name__} is not patched")
+    fwd = vars(model).get("forward")
+    if isinstance(fwd, functools.partial) and fwd.args[1] is plan:
+        model.forward = plan.prior_forward
+    else:
+        # Wrapped since (accelerate's mixed-precision wrapper, at train()): the wrapper stays, and this forward
+        # passes every call through to TRL's.
+        plan.disabled = True
 
 
 def patch(trainer, *, backend: str = "auto", workspace_bytes: int | None = None, compact: bool = True,
