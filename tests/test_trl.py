@@ -233,8 +233,8 @@ def _grpo(tmp_path, kind):
     args = GRPOConfig(
         output_dir=str(tmp_path / kind), per_device_train_batch_size=4, num_generations=2, max_completion_length=5,
         max_steps=4, num_iterations=2, beta=0.1, temperature=GRPO_TEMPERATURE, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, bf16=False,
-        disable_tqdm=True,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        bf16=False, disable_tqdm=True,
     )
     # Prompts of one length: left padding makes float64 attention NaN at the padded positions.
     dataset = Dataset.from_dict({"prompt": ["abc", "xyz", "hey", "Q7!"]})
@@ -280,8 +280,8 @@ def test_grpo_steps_match_stock_within_the_rule(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ltrl, "linear_log_probs", spy)
     ours, p_ours = _grpo(tmp_path, "ours")
-    # 2 generations x 2 iterations: the loss passes, and per generation the old policy's and the reference model's no-grad
-    # passes, all through linear_log_probs.
+    # 2 generations x 2 iterations: the loss passes, and per generation the old policy's and the reference model's
+    # no-grad passes, all through linear_log_probs.
     assert len(ours) == len(truth) == 4
     assert grad_modes.count(True) == 4 and grad_modes.count(False) == 4
     assert (truth[1:].abs() > 1e-3).all()  # the first loss is 0: ratio 1, advantages of mean 0, no KL yet
