@@ -60,10 +60,12 @@ def step(model, ids) -> float:
 
 def variant(model, name: str):
     """Set the model up as `name` ("stock" or "patched")."""
-    if name == "patched":
+    patched = getattr(model, "_bench_patched", False)
+    if name == "patched" and not patched:
         logitless.patch(model)
-    else:
+    elif name == "stock" and patched:
         logitless.unpatch(model)
+    model._bench_patched = name == "patched"
 
 
 def main() -> None:
