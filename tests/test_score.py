@@ -507,22 +507,22 @@ def test_errors_come_before_the_model_loads(model_dirs, tmp_path, capsys, monkey
 
 
 def test_empty_input_is_refused_before_the_model_loads(model_dirs, tmp_path, capsys, monkeypatch):
-    # An input with no text (an empty file, blank JSONL lines, an empty standard input) is named at once: neither
-    # the tokenizer nor the weights load (a GGUF file's take tens of seconds), and no output is written.
+    # Inputs without any text (empty files, blank JSONL lines, an empty standard input) are named at once: neither
+    # the tokenizer nor the weights load (a GGUF file's take tens of seconds), and no output is written. An empty
+    # document beside others with text is scored (a line with null scores: test_matches_model_logits).
     _no_model_load(monkeypatch)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
     d = str(model_dirs["llama"])
-    good = _jsonl(tmp_path, DOCS)
     blank = _write(tmp_path / "blank.jsonl", ["", "   "])
     (empty := tmp_path / "empty.txt").write_bytes(b"")
     only_empty = _jsonl(tmp_path, ["", ""], name="only_empty.jsonl")
     out = tmp_path / "out.jsonl"
-    for bad in (blank, empty, only_empty):
-        _fails(["--model", d, str(good), str(bad), "-o", str(out)], capsys, f"input {bad} holds no text",
-               "nothing to score")
+    for bad in ([blank], [empty], [only_empty], [empty, only_empty]):
+        _fails(["--model", d, *map(str, bad), "-o", str(out)], capsys, "nothing to score",
+               ", ".join(map(str, bad)) + " hold no text")
     with open(empty) as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
-        _fails(["--model", d, "-", "-o", str(out)], capsys, "standard input holds no text")
+        _fails(["--model", d, str(blank), "-", "-o", str(out)], capsys, f"{blank}, standard input hold no text")
     assert not out.exists()
 
 

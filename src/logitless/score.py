@@ -161,42 +161,40 @@ def _check_inputs(paths: list[str]) -> None:
 
 def _scan(args) -> tuple[int, int] | None:
     """(documents, characters) of all inputs, reading every file once before the model loads, so that a bad line
-    (invalid JSON or UTF-8, a missing text field) or an input with no text stops the run at once; None when
+    (invalid JSON or UTF-8, a missing text field), or inputs without any text, stop the run at once; None when
     standard input is among them (it can be read only once: its lines are checked as they are scored, and
-    _first_document refuses it when it is empty)."""
+    first_document refuses inputs without text)."""
     docs = chars = 0
     for path in args.files:
         if path == "-":
             continue
-        file_chars = 0
         for d in iter_documents(path, args.format, args.text_field, args.id_field):
             docs += 1
-            file_chars += len(d.text)
-        if not file_chars:
-            raise ScoreError(empty_input_message(path))
-        chars += file_chars
-    return None if "-" in args.files else (docs, chars)
+            chars += len(d.text)
+    if "-" in args.files:
+        return None
+    if not chars:
+        raise ScoreError(empty_input_message(args.files))
+    return docs, chars
 
 
-def empty_input_message(path: str) -> str:
-    shown = "standard input" if path == "-" else f"input {path}"
-    return (f"{shown} holds no text (an empty file, or only empty documents): nothing to score; leave it out, or "
-            "check --format and --text-field")
+def empty_input_message(files: list[str]) -> str:
+    shown = ", ".join("standard input" if f == "-" else f for f in files)
+    return (f"nothing to score: {'the input' if len(files) == 1 else 'the inputs'} {shown} hold no text (empty "
+            "files, or only empty documents); check the path, --format and --text-field")
 
 
 def first_document(docs: Iterator[Document], files: list[str]) -> Iterator[Document]:
-    """`docs` unchanged, once standard input (when among `files`) is known to hold some text: an empty standard
-    input is refused before any model loads. Only the documents read up to its first text are held back."""
+    """`docs` unchanged, once inputs that include standard input are known to hold some text: inputs without any
+    are refused before a model loads. Only the documents up to the first with text are read ahead."""
     if "-" not in files:
         return docs
     held = []
     for d in docs:
         held.append(d)
-        if d.source == "-" and d.text:
+        if d.text:
             return itertools.chain(held, docs)
-    if not any(d.source == "-" and d.text for d in held):
-        raise ScoreError(empty_input_message("-"))
-    return iter(held)
+    raise ScoreError(empty_input_message(files))
 
 
 def _open_text(path: str, newline):
