@@ -350,3 +350,27 @@ def test_output_files_are_replaced_together_or_not_at_all(tmp_path, monkeypatch,
     with pytest.raises(SystemExit) as e:
         bench_cli.main([*TINY, "--out", str(out / "table.txt")])
     assert e.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_no_clobber_and_the_mark_of_gradients_taken_in_the_forward(tmp_path, capsys):
+    # The PyTorch path's fused training path computes the gradients in its forward: its fwd+bwd split is marked,
+    # and the table says why its "bwd" is tiny. --no-clobber refuses an --out that holds a run's files.
+    from logitless.bench import report
+
+    out = tmp_path / "out"
+    argv = [*TINY, "--job", "train", "--providers", "logitless-torch,torch-eager", "--no-plots", "--no-clobber",
+            "--out", str(out)]
+    assert bench_cli.main(argv) == 0
+    table = (out / "table.txt").read_text()
+    assert report.FOLDED_NOTE in table
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in (["logitless-torch"],
+                                                                                                 ["torch-eager"])}
+    assert rows["logitless-torch"][4].endswith("*") and rows["logitless-torch"][5].endswith("*")
+    assert not rows["torch-eager"][4].endswith("*")
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already holds table.txt" in err and "--no-clobber" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

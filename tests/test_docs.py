@@ -102,3 +102,32 @@ def test_module_map_names_existing_modules():
     names = re.findall(r"`([\w/]+(?:\.py|/))`", table)
     missing = [n for n in names if not ((pkg / n).exists() or any(pkg.rglob(n.rstrip("/"))))]
     assert names and not missing, missing
+
+
+# README's sizes, shrunk so that every snippet runs in well under a second on a CPU; each size maps to one smaller
+# size, so the shapes still agree with each other.
+_SHRINK = {"50257": "503", "32000": "320", "5000": "500", "4096": "256", "2048": "128", "1024": "64", "512": "32"}
+
+
+def test_readme_python_snippets_run():
+    """Every Python block of README.md runs, in order and in one namespace (the distillation blocks continue the
+    first one's), at shrunk sizes; only the block that needs a process group of several GPUs is left out, and the
+    TRL fragment, whose whole program is an example that tests/test_trl.py runs."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 10
+    ran = skipped = 0
+    namespace: dict = {}
+    for block in blocks:
+        if "process_group=tp_group" in block:
+            continue
+        if "GRPOTrainer(" in block:  # a fragment of examples/rl_grpo.py, which tests/test_trl.py runs whole
+            skipped += 1
+            continue
+        if "transformers" in block:
+            pytest.importorskip("transformers")
+        assert 'from_pretrained("' not in re.sub(r"#.*", "", block), "a README snippet downloads a model"
+        code = re.sub(r"\b(" + "|".join(_SHRINK) + r")\b", lambda m: _SHRINK[m.group(1)], block)
+        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the repository's own documentation
+        ran += 1
+    assert ran == len(blocks) - 1 - skipped

@@ -418,6 +418,7 @@ def _fails(argv, capsys, *needles, rc=1):
     assert out == ""
     for needle in needles:
         assert needle in err, err
+    return err
 
 
 def test_errors(model_dirs, tmp_path, capsys):
@@ -505,23 +506,90 @@ def test_errors_come_before_the_model_loads(model_dirs, tmp_path, capsys, monkey
     _fails(["--model", good, good], capsys, "is a file")
 
 
-def test_empty_input_loads_no_model(model_dirs, tmp_path, capsys, monkeypatch):
+def test_empty_input_is_refused_before_the_model_loads(model_dirs, tmp_path, capsys, monkeypatch):
+    # Inputs without any text (empty files, blank JSONL lines, an empty standard input) are named at once: neither
+    # the tokenizer nor the weights load (a GGUF file's take tens of seconds), and no output is written. An empty
+    # document beside others with text is scored (a line with null scores: test_matches_model_logits).
     _no_model_load(monkeypatch)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n", encoding="utf-8")
-    out = tmp_path / "out.jsonl"
-    assert score.main(["--model", str(model_dirs["llama"]), "-o", str(out), str(empty)]) == 0
-    assert out.read_bytes() == b""
-    assert "0 documents, 0 scored tokens" in capsys.readouterr().err
-    monkeypatch.undo()
-    _no_model_load(monkeypatch)
-    # An empty text file (or standard input) is one document with nothing to score: its line, and still no model.
+    d = str(model_dirs["llama"])
+    blank = _write(tmp_path / "blank.jsonl", ["", "   "])
     (empty := tmp_path / "empty.txt").write_bytes(b"")
+    only_empty = _jsonl(tmp_path, ["", ""], name="only_empty.jsonl")
+    out = tmp_path / "out.jsonl"
+    for bad in ([blank], [empty], [only_empty], [empty, only_empty]):
+        _fails(["--model", d, *map(str, bad), "-o", str(out)], capsys, "nothing to score",
+               ", ".join(map(str, bad)) + " hold no text")
     with open(empty) as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
-        records = _score(["--model", str(model_dirs["llama"]), str(empty), "-"], capsys)
-    assert [(r["source"], r["num_tokens"], r["nll"]) for r in records] == [(str(empty), 0, None), ("-", 0, None)]
+        _fails(["--model", d, str(blank), "-", "-o", str(out)], capsys, f"{blank}, standard input hold no text")
+    assert not out.exists()
+
+
+def test_no_clobber(model_dirs, tmp_path, capsys, monkeypatch):
+    d = str(model_dirs["llama"])
+    src = str(_jsonl(tmp_path, DOCS))
+    out = tmp_path / "scores.jsonl"
+    assert score.main(["--model", d, "--dtype", "fp32", "--quiet", "--no-clobber", src, "-o", str(out)]) == 0
+    first = out.read_bytes()
+    assert len(first.splitlines()) == len(DOCS)
+    capsys.readouterr()
+    _no_model_load(monkeypatch)  # refused before anything loads
+    _fails(["--model", d, "-n", src, "-o", str(out)], capsys, f"--output {out} exists", "--no-clobber")
+    assert out.read_bytes() == first
+    # A file that appears while the run scores is not overwritten either.
+    monkeypatch.undo()
+    real_load = score._Model.load
+
+    def appear(self):
+        out2.write_bytes(b"theirs\n")
+        return real_load(self)
+
+    out2 = tmp_path / "late.jsonl"
+    monkeypatch.setattr(score._Model, "load", appear)
+    _fails(["--model", d, "--dtype", "fp32", "-n", src, "-o", str(out2)], capsys, "appeared during the run")
+    assert out2.read_bytes() == b"theirs\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "late.jsonl", "scores.jsonl"]
+
+
+def test_loading_is_announced_before_the_progress_bar(model_dirs, tmp_path, capsys):
+    d = str(model_dirs["llama"])
+    assert score.main(["--model", d, "--dtype", "fp32", str(_jsonl(tmp_path, DOCS))]) == 0
+    err = capsys.readouterr().err
+    tok, weights, bar = (err.find(s) for s in ("reading the tokenizer and config of " + d,
+                                               f"loading the model {d} (", "scoring"))
+    assert 0 <= tok < weights < bar, err
+    assert "in float32 on cpu" in err, err
+
+
+def test_fp16_overflow_is_named(tmp_path, capsys):
+    # A model whose activations exceed float16's range (as Gemma's do) gives inf logits in its own forward: the
+    # probe says so and names the dtype that works, instead of blaming the head.
+    path = tmp_path / "loud"
+    _build(path, "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(1e6)  # final hidden states ~1e6: past float16's 65504, fine in float32
+    model.save_pretrained(path)
+    src = str(_jsonl(tmp_path, DOCS))
+    err = _fails(["--model", str(path), "--dtype", "fp16", "--device", "cpu", src], capsys,
+                 "LlamaForCausalLM in float16", "non-finite logits", "overflow float16", "--dtype fp32")
+    assert "does not know" not in err
+    assert _score(["--model", str(path), "--dtype", "fp32", src], capsys)[0]["num_tokens"] > 0
+
+
+def test_missing_accelerate_is_named_before_loading(model_dirs, tmp_path, capsys, monkeypatch):
+    # transformers refuses a GGUF file without accelerate only after it has read the tokenizer; we say it first.
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else
+                        find_spec(name, *a))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    _fails(["--model", str(gguf_file), str(_jsonl(tmp_path, DOCS))], capsys, "needs accelerate",
+           "pip install 'logitless[hf]'")
 
 
 # --- file safety: the output is written whole or not at all, and never over an input --------------------------

@@ -8,6 +8,7 @@ float32 copy with TRL's head and logitless.integrations.trl.patch (ours).
 import copy
 import functools
 import json
+import runpy
 import string
 import subprocess
 import sys
@@ -348,3 +349,10 @@ def test_log_prob_pass_peak_memory_below_trl():
     # TRL's head holds (tokens x 32768) float32 tiles and their temporaries; ours stays within the memory policy.
     assert ours < logits / 10 + (4 << 20), f"ours {ours / 2**20:.1f} MiB, logits {logits / 2**20:.0f} MiB"
     assert ours < theirs / 3, f"ours {ours / 2**20:.1f} MiB vs TRL's {theirs / 2**20:.1f} MiB"
+
+
+def test_example_runs(monkeypatch, capsys):
+    # examples/rl_grpo.py, the README's TRL section in full: one GRPO step, patched.
+    monkeypatch.setattr(sys, "argv", ["rl_grpo.py", "--steps", "1", "--vocab", "128"])
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "rl_grpo.py"), run_name="__main__")
+    assert "step   1  loss" in capsys.readouterr().out

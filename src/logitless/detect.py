@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from . import score
+from . import _files, score
 from .score import ScoreError
 
 # The length the Binoculars paper scores documents at (their tokens truncated to it).
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id-field", default="id", metavar="NAME", help="JSONL field copied as 'id' (default: id)")
     p.add_argument("--per-token", action="store_true", help="also write token_ids, nlls and cross_nlls per token")
     p.add_argument("--output", "-o", default="-", metavar="FILE", help="output JSONL file (default: stdout)")
+    p.add_argument("--no-clobber", "-n", action="store_true",
+                   help="refuse to overwrite an existing --output file (checked before anything loads)")
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                    help="backend of the head computations (default auto)")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary on stderr")
@@ -93,10 +95,24 @@ def _run(args) -> int:
     score._check_inputs(args.files)
     sources = [_source(path, flag) for path, flag in ((args.observer, "--observer"), (args.performer, "--performer"))]
     score.check_output(args)
+    score._scan(args)  # every line checked, and an input without text refused, before anything loads
+    docs = score.first_document(score._all_documents(args), args.files)
     sink = score.output_sink(args)  # renamed into place only when every document is scored
+    say = None if args.quiet else (lambda message: score.say(message, "logitless detect"))
+    n_docs = 0
+    try:
+        n_docs = _detect(args, sources, docs, sink, say)
+    except _files.OutputError as e:  # --no-clobber: the output appeared during the run
+        raise ScoreError(str(e)) from None
+    if not args.quiet:
+        print(f"logitless detect: {n_docs} documents", file=sys.stderr)
+    return 0
+
+
+def _detect(args, sources, docs, sink, say) -> int:
     n_docs = 0
     with sink as out, torch.inference_mode():
-        obs, perf = (score._Model(src, args.dtype, args.device, args.backend) for src in sources)
+        obs, perf = (score._Model(src, args.dtype, args.device, args.backend, say=say) for src in sources)
         if args.max_length is None:
             args.max_length = min([_DEFAULT_MAX_LENGTH] + [m.max_positions for m in (obs, perf)
                                                            if m.max_positions is not None])
@@ -104,21 +120,16 @@ def _run(args) -> int:
             if m.max_positions is not None and args.max_length > m.max_positions:
                 raise ScoreError(f"--max-length {args.max_length} exceeds a model's maximum positions "
                                  f"({m.max_positions})")
-        loaded = False
+        _load(obs, perf)
         batch = []
-        for path in args.files:
-            for doc in score.iter_documents(path, args.format, args.text_field, args.id_field):
-                batch.append(doc)
-                if len(batch) == args.batch_size:
-                    loaded = loaded or _load(obs, perf)
-                    n_docs += _write(out, batch, obs, perf, args)
-                    batch = []
+        for doc in docs:
+            batch.append(doc)
+            if len(batch) == args.batch_size:
+                n_docs += _write(out, batch, obs, perf, args)
+                batch = []
         if batch:
-            loaded = loaded or _load(obs, perf)
             n_docs += _write(out, batch, obs, perf, args)
-    if not args.quiet:
-        print(f"logitless detect: {n_docs} documents", file=sys.stderr)
-    return 0
+    return n_docs
 
 
 def _source(path: str, flag: str):

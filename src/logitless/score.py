@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", metavar="FILE", help="a GGUF file, whatever its name ends with (like --model FILE.gguf)")
     p.add_argument("--dtype", default="auto", type=_parse_dtype,
                    help="bf16, fp16 or fp32; auto (default): bf16 on CUDA (fp16 where bf16 is unsupported), "
-                        "fp32 elsewhere")
+                        "fp32 elsewhere (a CPU computes bf16 no faster than fp32, and less accurately)")
     p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per forward pass (default 8)")
     p.add_argument("--max-length", type=int, default=None, metavar="L",
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output JSONL file (default: stdout); written to a temporary file beside it and renamed "
                         "into place when the run succeeds, so a failed run leaves an existing file untouched; "
                         "it may not be one of the inputs")
+    p.add_argument("--no-clobber", "-n", action="store_true",
+                   help="refuse to overwrite an existing --output file (checked before anything loads)")
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                    help="backend of linear_log_probs (default auto)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary on stderr")
@@ -159,16 +161,40 @@ def _check_inputs(paths: list[str]) -> None:
 
 def _scan(args) -> tuple[int, int] | None:
     """(documents, characters) of all inputs, reading every file once before the model loads, so that a bad line
-    (invalid JSON or UTF-8, a missing text field) stops the run at once; None when standard input is among them
-    (it can be read only once: its lines are checked as they are scored)."""
-    if "-" in args.files:
-        return None
+    (invalid JSON or UTF-8, a missing text field), or inputs without any text, stop the run at once; None when
+    standard input is among them (it can be read only once: its lines are checked as they are scored, and
+    first_document refuses inputs without text)."""
     docs = chars = 0
     for path in args.files:
+        if path == "-":
+            continue
         for d in iter_documents(path, args.format, args.text_field, args.id_field):
             docs += 1
             chars += len(d.text)
+    if "-" in args.files:
+        return None
+    if not chars:
+        raise ScoreError(empty_input_message(args.files))
     return docs, chars
+
+
+def empty_input_message(files: list[str]) -> str:
+    shown = ", ".join("standard input" if f == "-" else f for f in files)
+    return (f"nothing to score: {'the input' if len(files) == 1 else 'the inputs'} {shown} hold no text (empty "
+            "files, or only empty documents); check the path, --format and --text-field")
+
+
+def first_document(docs: Iterator[Document], files: list[str]) -> Iterator[Document]:
+    """`docs` unchanged, once inputs that include standard input are known to hold some text: inputs without any
+    are refused before a model loads. Only the documents up to the first with text are read ahead."""
+    if "-" not in files:
+        return docs
+    held = []
+    for d in docs:
+        held.append(d)
+        if d.text:
+            return itertools.chain(held, docs)
+    raise ScoreError(empty_input_message(files))
 
 
 def _open_text(path: str, newline):
@@ -272,28 +298,56 @@ def _model_source(args) -> _Source:
     return _Source(path, None)
 
 
+def say(message: str, prog: str = "logitless score") -> None:
+    """One line on stderr, `prog: message`, that a progress bar, if one is drawn, is redrawn under."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    else:
+        tqdm.write(f"{prog}: {message}", file=sys.stderr)
+
+
+def _size(source: _Source) -> str:
+    """The bytes on disk of a GGUF file or of a model folder's files, in words."""
+    if source.gguf:
+        n = os.path.getsize(str(source))
+    else:
+        n = sum(e.stat().st_size for e in os.scandir(source.folder) if e.is_file())
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _check_hf_stack(gguf: bool) -> None:
+    """Every package a load needs, in one message, before any of them loads (transformers refuses a GGUF file
+    without accelerate only once it has read the tokenizer, tens of seconds in)."""
+    import importlib.util
+
+    need = ["transformers", "tokenizers"] + (["gguf", "accelerate"] if gguf else [])
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing:
+        what = "a GGUF file" if gguf else "a model"
+        raise ScoreError(f"loading {what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         "not installed: pip install 'logitless[hf]' (or pip install " + " ".join(missing) + ")")
+
+
 class _Model:
     """A causal LM split into its backbone and its linear head, the head computed by linear_log_probs.
 
     Built in two steps, so that every argument is checked before the weights load: the constructor loads the
-    tokenizer and the config (fast), `load()` the weights."""
+    tokenizer and the config (fast for a folder; a GGUF file's tokenizer is rebuilt from its vocabulary, seconds),
+    `load()` the weights. `say`, when given, is told what loads from where before each step."""
 
-    def __init__(self, source: _Source, dtype_key: str, device_arg: str, backend: str):
+    def __init__(self, source: _Source, dtype_key: str, device_arg: str, backend: str, say=None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        try:
-            import transformers  # noqa: F401
-            from transformers import AutoConfig, AutoTokenizer
-        except ImportError as e:
-            raise ScoreError(f"logitless score needs transformers ({e}): pip install 'logitless[hf]'") from None
-        if source.gguf:
-            try:
-                import gguf  # noqa: F401
-            except ImportError:
-                raise ScoreError("reading a GGUF file needs the gguf package: pip install gguf") from None
+        _check_hf_stack(bool(source.gguf))
+        from transformers import AutoConfig, AutoTokenizer
+
         self.source = source
+        self.say = say or (lambda message: None)
         self.device = _resolve_device(device_arg)
         self.dtype = _resolve_dtype(dtype_key, self.device)
         self.backend = _check_backend(backend, self.device)
+        self.say(f"reading the tokenizer and config of {source}")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs)
         except Exception as e:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
@@ -321,6 +375,9 @@ class _Model:
 
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+        dequant = "; dequantizing a GGUF file takes a while" if self.source.gguf else ""
+        self.say(f"loading the model {self.source} ({_size(self.source)}) in "
+                 f"{str(self.dtype).removeprefix('torch.')} on {self.device}{dequant}")
         # Our own progress bar is the only one on stderr; transformers' weight-loading bar is restored afterwards.
         hf_logging = transformers.utils.logging
         bars = hf_logging.is_progress_bar_enabled()
@@ -407,6 +464,8 @@ class _Model:
         probe = ([self.bos] if self.bos is not None else []) + [pool[i] for i in picks]
         ids = torch.tensor([probe], device=self.device)
         logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        if not torch.isfinite(logits).all():
+            raise ScoreError(self._overflow_message())
         theirs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         ours = self._head(self._hidden(ids, torch.ones_like(ids))[0, :-1], ids[0, 1:], False).float()
         err = ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
@@ -417,6 +476,22 @@ class _Model:
                 "probe; this architecture transforms its head in a way logitless score does not know, so it cannot "
                 "be scored correctly"
             )
+
+
+    def _overflow_message(self) -> str:
+        """The model's own forward gave inf or NaN logits: a dtype whose range its activations exceed (Gemma's
+        exceed float16's 65504), not a head this command does not know."""
+        name = str(self.dtype).removeprefix("torch.")
+        if self.dtype in (torch.float32, torch.float64):
+            return (f"{type(self.model).__name__} in {name}: the model's own forward gives non-finite logits (inf "
+                    f"or NaN) on a probe of {_PROBE_TOKENS} tokens; its weights hold inf or NaN, or overflow even "
+                    f"{name}: the model file itself is broken")
+        cuda_bf16 = (self.device.type == "cuda" and self.dtype == torch.float16 and torch.cuda.is_bf16_supported())
+        fix = ("--dtype bf16 (same speed on this GPU, float32's range) or --dtype fp32" if cuda_bf16 else
+               "--dtype fp32" + ("" if self.device.type == "cuda" else " (on a CPU also the fastest)"))
+        return (f"{type(self.model).__name__} in {name}: the model's own forward gives non-finite logits (inf or "
+                f"NaN) on a probe of {_PROBE_TOKENS} tokens, so its activations overflow {name}; nothing can be "
+                f"scored in this dtype: use {fix}")
 
 
 def _first_line(e: Exception) -> str:
@@ -560,7 +635,8 @@ def check_output(args) -> None:
     """--output (or standard output) is none of the input files: refused before anything loads."""
     try:
         if args.output != "-":
-            _files.check_output(args.output, args.files, what="--output")
+            _files.check_output(args.output, args.files, what="--output",
+                                no_clobber=getattr(args, "no_clobber", False))
         else:
             _files.check_stdout(args.files)
     except _files.OutputError as e:
@@ -573,7 +649,7 @@ def output_sink(args):
     if args.output == "-":
         return contextlib.nullcontext(sys.stdout)
     try:
-        return _files.atomic_open(args.output, "w", encoding="utf-8")
+        return _files.atomic_open(args.output, "w", no_clobber=getattr(args, "no_clobber", False), encoding="utf-8")
     except OSError as e:
         raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
 
@@ -584,16 +660,16 @@ def _run(args) -> int:
     source = _model_source(args)
     check_output(args)
     totals = _scan(args)
-    docs = _all_documents(args)
-    first = next(docs, None)  # standard input: nothing to score loads no model either
-    with output_sink(args) as out:
-        if first is None:
-            stats = (0, 0, 0.0)
-        else:
-            with torch.inference_mode():
-                model = _Model(source, args.dtype, args.device, args.backend)
-                window, stride = _window_plan(args, model)
-                stats = _score_all(args, model, window, stride, out, itertools.chain([first], docs), totals)
+    docs = first_document(_all_documents(args), args.files)
+    try:
+        with output_sink(args) as out, torch.inference_mode():
+            model = _Model(source, args.dtype, args.device, args.backend, say=None if args.quiet else say)
+            window, stride = _window_plan(args, model)
+            if totals is not None:
+                model.load()  # before the progress bar starts; standard input loads it at its first window
+            stats = _score_all(args, model, window, stride, out, docs, totals)
+    except _files.OutputError as e:  # --no-clobber: the output appeared during the run
+        raise ScoreError(str(e)) from None
     n_docs, tokens, nll_sum = stats
     if not args.quiet:
         nll = nll_sum / tokens if tokens else math.nan

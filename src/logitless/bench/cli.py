@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for the table, JSON, CSV and SVG files (default: %(default)s); they replace "
                          "files of the same names there only once all are written, so a run that fails or is "
                          "interrupted leaves the folder as it was")
+    ap.add_argument("--no-clobber", "-n", action="store_true",
+                    help="refuse to overwrite any file of the run in --out (checked before the run)")
     ap.add_argument("--no-plots", action="store_true", help="do not write the SVG plots")
     ap.add_argument("--check-rows", type=int, default=None, metavar="K",
                     help="rows of the batch on which each provider is checked against float64 "
@@ -293,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         return _list(_device(args.device))
     cases, chosen, opts = resolve(args, parser)
     _check_out(args.out, parser)
+    if args.no_clobber:
+        names = OUTPUTS + ([] if args.no_plots else sorted({f"bench_{c.job}.svg" for c in cases}))
+        there = [n for n in names if os.path.lexists(os.path.join(args.out, n))]
+        if there:
+            parser.error(f"--out {args.out} already holds {', '.join(there)}, and --no-clobber refuses to "
+                         "overwrite them: choose another --out, or leave --no-clobber out")
     # Inductor says, for every compiled graph, that a split reduction turns its online softmax off: noise here.
     warnings.filterwarnings("ignore", message=r"[\s\S]*Online softmax is disabled")
     log = _logger(opts.progress)
@@ -309,18 +317,31 @@ def main(argv: list[str] | None = None) -> int:
     data_lines = "\n".join(f"data {d}" for d in result.data.values())
     header = f"{meta['command']}\n{meta['device']}; torch {meta['torch']}; triton {meta['triton']}\n{data_lines}\n"
     # Every file goes to a temporary one beside it; all are renamed into place together at the end.
-    with _files.AtomicGroup() as files:
+    try:
+        written = _write(args, result, meta, text, legend, header)
+    except _files.OutputError as e:  # --no-clobber: a file appeared in --out during the run
+        print(f"logitless bench: error: {e}; nothing was written", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(written)} to {args.out}")
+    return 0
+
+
+# The files of every run (the plots, bench_<job>.svg, come on top).
+OUTPUTS = ["table.txt", "table.md", "results.json", "results.csv"]
+
+
+def _write(args, result, meta: dict, text: str, legend: str, header: str) -> list[str]:
+    with _files.AtomicGroup(no_clobber=args.no_clobber) as files:
         with files.open(os.path.join(args.out, "table.txt"), "w") as f:
             f.write(header + "\n" + text + "\n" + legend + "\n")
         with files.open(os.path.join(args.out, "table.md"), "w") as f:
             f.write(report.tables(result, markdown=True) + "\n" + legend.replace("\n", "\n\n") + "\n")
         report.write_json(result, meta, os.path.join(args.out, "results.json"), opener=files.open)
         report.write_csv(result, os.path.join(args.out, "results.csv"), opener=files.open)
-        written = ["table.txt", "table.md", "results.json", "results.csv"]
+        written = list(OUTPUTS)
         if not args.no_plots:
             written += [os.path.basename(p) for p in report.write_plots(result, args.out, opener=files.open)]
-    print(f"wrote {', '.join(written)} to {args.out}")
-    return 0
+    return written
 
 
 def _check_out(out: str, parser) -> None:

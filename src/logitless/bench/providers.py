@@ -48,6 +48,9 @@ class Provider:
     cpu_default: bool = True  # part of the default provider set on a CPU
     gpu_default: bool = True  # part of the default provider set on a GPU (variants are opt-in)
     version: Callable[[], str] = lambda: ""
+    # Whether this job's gradients are computed in its forward at these inputs (grad mode on, leaves requiring
+    # grad), so that the fwd+bwd phase's "bwd" is only their hand-over: the report marks such a split.
+    grads_in_forward: Callable[[str, Inputs], bool] = lambda job, inp: False
     _built: dict = field(default_factory=dict, repr=False)
 
     def fn(self, job: str) -> Callable:
@@ -151,7 +154,16 @@ def _logitless(backend: str) -> Provider:
         unavailable=unavailable,
         cpu_default=backend == "torch",
         version=lambda: logitless.__version__,
+        grads_in_forward=_fused if backend == "torch" else (lambda job, inp: False),
     )
+
+
+def _fused(job: str, inp: Inputs) -> bool:
+    """linear_cross_entropy's PyTorch path takes its fused training path here (torch_backend.fused_rows): the
+    gradients are computed in the forward, chunk by chunk, and the backward only scales them."""
+    from .. import torch_backend
+
+    return job == "train" and torch_backend.fused_rows(inp.x, inp.w, None, None, "mean") > 0
 
 
 # The backward's memory-for-speed setting: the float32 dx accumulator in a buffer of its own (4 N D bytes) and a

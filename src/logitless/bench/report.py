@@ -37,8 +37,16 @@ def _row(r: Result, phase: str, first: bool) -> list[str]:
     if pr.status != "ok":
         return head + [STATUS_SHORT.get(pr.status, pr.status)] + ["-"] * 6
     split = phase == "fwd+bwd"
-    return head + [_num(pr.total_ms), _num(pr.fwd_ms) if split else "-", _num(pr.bwd_ms) if split else "-",
+    fwd, bwd = (_num(pr.fwd_ms), _num(pr.bwd_ms)) if split else ("-", "-")
+    if split and pr.grads_in_forward:
+        fwd, bwd = fwd + FOLDED_MARK, bwd + FOLDED_MARK
+    return head + [_num(pr.total_ms), fwd, bwd,
                    _num(pr.x_ours), _num(pr.x_floor), _num(C.mib(pr.peak_bytes)), _num(pr.rate)]
+
+
+FOLDED_MARK = "*"
+FOLDED_NOTE = (f"{FOLDED_MARK} the gradients are computed in the forward (the fused path of the PyTorch path, "
+               "docs/usage.md): fwd holds the backward's work, bwd only hands the gradients over")
 
 
 def _check_cell(r: Result) -> str:
@@ -77,6 +85,8 @@ def tables(run: Run, markdown: bool = False) -> str:
             widths = [max(len(h), *(len(row[k]) for row in body)) for k, h in enumerate(header)]
             out += [_align(row, widths) for row in [header, *body]]
         notes = []
+        if any(pr.grads_in_forward for r in rows for pr in r.phases.values()):
+            notes.append(FOLDED_NOTE)
         for r in rows:
             if r.error:
                 notes.append(f"{r.provider}: {r.status}: {r.error}")

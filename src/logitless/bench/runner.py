@@ -51,6 +51,7 @@ class PhaseResult:
     rate: float = math.nan  # TFLOP/s (train, logprobs) or GB/s (ce)
     x_ours: float = math.nan
     x_floor: float = math.nan
+    grads_in_forward: bool = False  # the provider's forward computed the gradients (its "bwd" only hands them over)
 
 
 @dataclass
@@ -220,6 +221,7 @@ def _run_phase(p: Provider, case: C.Case, inp: C.Inputs, phase: str, opts: Optio
     try:
         with torch.set_grad_enabled(grad):
             step = p.step(case.job, inp, grad)
+            out.grads_in_forward = grad and p.grads_in_forward(case.job, inp)
             est = warm_up(step, prepare, opts.device, opts.warmup, opts.max_iter_s)
             out.peak_bytes = peak_extra_bytes(step, prepare, opts.device, inp.tensors(), leaves)
             t = time_step(step, prepare, opts.device, est_s=est, budget_s=opts.budget_s, min_reps=opts.min_reps,
