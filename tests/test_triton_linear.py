@@ -645,12 +645,14 @@ def test_forward_layout_covers_and_balances(n_blocks, n_vtiles):
 
 
 def test_forward_layout_under_the_interpreter_uses_both_phases():
-    # The small shapes of these tests (N=37, V=300 on 32 x 64 tiles) split each row over both phases, so every
-    # forward test also checks the merge of partials from both.
+    # The layout is in chunks of chunk_tiles tiles (the partials' unit). At the batch-invariance test's N = 100, V =
+    # 600 on 32 x 64 tiles, programs of several chunks in both phases (a restart of the running statistics inside a
+    # program, and a merge of partials from both phases).
     cfg = lh_configs.interpreter_config()
-    layout = lh_plans._fwd_layout(-(-37 // cfg.block_n), -(-300 // cfg.block_v), INTERPRETER_SMS_FORWARD, cfg.group,
-                            cfg.waves)
-    assert layout[0] >= 1 and layout[2] >= 1, layout
+    n_tiles = -(-600 // cfg.block_v)
+    n_chunks = -(-n_tiles // cfg.chunk_tiles)
+    layout = lh_plans._fwd_layout(-(-100 // cfg.block_n), n_chunks, INTERPRETER_SMS_FORWARD, cfg.group, cfg.waves)
+    assert layout[0] >= 1 and layout[1] >= 2 and layout[2] >= 1, layout
 
 
 def test_single_token_all_ignored_and_empty():

@@ -43,6 +43,13 @@ _PRODUCTS_RESERVE = 8 << 20
 # The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
 # (three per chunk), and the generic path, which reads it twice in all, is taken instead.
 _MIN_FUSED_ROWS = 32
+# The head op's blocks (head_forward, head_backward) are made of products of exactly ROW_BLOCK rows (the input
+# padded with zero rows to a multiple of it) and HEAD_COLS classes (the last chunk V mod HEAD_COLS): CPU GEMM kernels
+# round a row differently with the number of rows of the product (MKL: 1, 2, 3, 5 and 7 rows differ from 8 and
+# more), and the chunk width sets where the online statistics rescale. Both fixed, a row's statistics and its input
+# gradient do not depend on the batch it is in (docs/rl.md).
+ROW_BLOCK = 16
+HEAD_COLS = 2048
 # cross_entropy on given logits and the two-head losses walk chunks of this many classes...
 VOCAB_CHUNK = 4096
 # ... and of token_chunk(V) rows: blocks of at most this many elements.
@@ -185,7 +192,7 @@ class _RowStats:
         self.m = m_new
 
     def logs(self):
-        return torch.log(self.s)
+        return _log(self.s)
 
     def mu(self):
         # sum_j p_j (z_j - m) = sum exp(z - m)(z - m) / s
@@ -193,7 +200,17 @@ class _RowStats:
 
     def entropy(self):
         # H = lse - sum p z = log s - mu
-        return torch.log(self.s) - self.mu()
+        return _log(self.s) - self.mu()
+
+
+def _log(s: torch.Tensor) -> torch.Tensor:
+    # PyTorch's CPU log rounds an element of a vector's scalar tail differently from one in its SIMD lanes, so the
+    # log of a row's sum would depend on the row's position and on the batch's length. Taken in float64 and rounded
+    # once, the two agree unless the float64 results straddle a rounding boundary of the float32 one (a chance of
+    # about 2^-29 per row).
+    if s.dtype == torch.float32 and s.device.type == "cpu":
+        return torch.log(s.double()).float()
+    return torch.log(s)
 
 
 def _budget_beside_products(n: int, V: int) -> int:
@@ -212,6 +229,20 @@ def _stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int
     80 against 76). Full-vocabulary rows, as many blocks, were slower (340 ms, and 87 with 1 thread): each block's
     product packs all of W."""
     return _block(n, V, temporaries, share=1, item=item, budget=_budget_beside_products(n, V))
+
+
+def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x with zero rows added up to a multiple of ROW_BLOCK (x itself when it is one), and that row count."""
+    n = x.shape[0]
+    n_pad = -(-n // ROW_BLOCK) * ROW_BLOCK
+    return (x if n_pad == n else torch.nn.functional.pad(x, (0, 0, 0, n_pad - n))), n_pad
+
+
+def fixed_block(elems: int, V: int) -> tuple[int, int]:
+    """(rows, cols) of a block of about `elems` elements for the head op's fixed shapes: HEAD_COLS classes (all V
+    when fewer) and a multiple of ROW_BLOCK rows (at least one)."""
+    cols = min(V, HEAD_COLS)
+    return max(1, elems // (cols * ROW_BLOCK)) * ROW_BLOCK, cols
 
 
 def _row_stats(chunk_fn, n, V, device, dtype, target, class_w, want_smooth, want_entropy, block=None):
@@ -261,14 +292,25 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
         zeros = (lambda want: torch.zeros(n, device=x.device, dtype=acc) if want else None)
         return (Stats(neg_inf, neg_inf.clone(), zeros(target is not None), zeros(want_smooth), zeros(want_entropy)),
                 zeros(want_entropy), zeros(target is not None))
-    chunk = lambda i0, i1, v0, v1: linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap,
-                                                inv_temp)
+    xp, n_pad = pad_rows(x)
+    tp = None if target is None else torch.nn.functional.pad(target, (0, n_pad - n), value=-1)
+
+    def chunk(i0, i1, v0, v1):
+        # Products of exactly ROW_BLOCK rows (batch invariance: ROW_BLOCK), each into its rows of one block.
+        out = torch.empty(i1 - i0, v1 - v0, device=x.device, dtype=acc)
+        w_c = w[v0:v1] if w.dtype == acc else w[v0:v1].to(acc)
+        b_c = None if b is None else b[v0:v1]
+        for r0 in range(i0, i1, ROW_BLOCK):
+            linear_chunk(xp[r0:r0 + ROW_BLOCK], w_c, b_c, softcap, inv_temp, out=out[r0 - i0:r0 - i0 + ROW_BLOCK])
+        return out
+
     temporaries = want_smooth or want_entropy
     # (A weight of another dtype is converted block by block: a copy of the block's W rows next to it.)
-    block = (_stats_block(n, V, temporaries, acc.itemsize) if w.dtype == acc
-             else _block(n, V, temporaries, item=acc.itemsize))
-    m, logs, zt, sw, ref, ent, mu, rest = _row_stats(chunk, n, V, x.device, acc, target, class_w, want_smooth,
-                                                     want_entropy, block)
+    block = (_stats_block(n_pad, V, temporaries, acc.itemsize) if w.dtype == acc
+             else _block(n_pad, V, temporaries, item=acc.itemsize))
+    block = fixed_block(block[0] * block[1], V)
+    m, logs, zt, sw, ref, ent, mu, rest = (None if t is None else t[:n] for t in _row_stats(
+        chunk, n_pad, V, x.device, acc, tp, class_w, want_smooth, want_entropy, block))
     if sw is not None:
         # Accumulated relative to the first block's row max (no cancellation while the max grows): re-based on m.
         w_sum = class_w.sum() if class_w is not None else float(V)
@@ -408,7 +450,17 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         if db is not None:
             db.zero_()
         return (dx.to(x.dtype) if need_x else None), dw, db
+    # Products of ROW_BLOCK rows and HEAD_COLS classes, the input padded with zero rows whose coefficients are 0
+    # (their dL/dz is 0): each row's dx is the same whatever the batch (ROW_BLOCK).
+    x_in, n_in = x, n
+    x, n = pad_rows(x)
+    if n != n_in:
+        pad = lambda c, value=0.0: None if c is None else torch.nn.functional.pad(c, (0, n - n_in), value=value)
+        A, B, C, E, At, m, logs = (pad(c) for c in (A, B, C, E, At, m, logs))
+        target = pad(target, -1)
+        dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
     rows, cols = _block(n, V, B is not None or softcap is not None, item=acc.itemsize)
+    rows, cols = fixed_block(rows * cols, V)
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
     buf = torch.empty(rows * cols, device=x.device, dtype=acc)
     x_all = x.to(acc) if one_block else None
@@ -431,7 +483,9 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         for i0, i1 in chunks(n, rows):
             x_c = x_all if one_block else x[i0:i1].to(acc)
             sl = slice(i0, i1)
-            z = linear_chunk(x_c, w_c, b_c, None, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
+            z = buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0)
+            for r0 in range(0, i1 - i0, ROW_BLOCK):
+                linear_chunk(x_c[r0:r0 + ROW_BLOCK], w_c, b_c, None, 1.0, out=z[r0:r0 + ROW_BLOCK])
             chain = None
             if softcap is not None:  # the chain factor from the raw logits, then the cap in place
                 chain = softcap_slope(z, softcap)
@@ -447,8 +501,11 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
             if chain is not None:
                 dz.mul_(chain)
                 del chain
+            if i1 > n_in:  # padding rows: no gradient (their p alone could overflow)
+                dz[max(0, n_in - i0):].zero_()
             if need_x:
-                dx[sl].addmm_(dz, w_c)
+                for r0 in range(i0, i1, ROW_BLOCK):
+                    dx[r0:r0 + ROW_BLOCK].addmm_(dz[r0 - i0:r0 - i0 + ROW_BLOCK], w_c)
             if need_w:
                 if direct:
                     torch.mm(dz.T, x_c, out=dw_c)
@@ -460,7 +517,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
             dw[v0:v1] = dw_c
         if need_b:
             db[v0:v1] = db_c
-    return (dx.to(x.dtype) if need_x else None), dw, db
+    return (dx[:n_in].to(x_in.dtype) if need_x else None), dw, db
 
 
 def _dz_block(z, m2, logs2, A2, B2, C2, E2, t_c, v0, v1, class_w_c, At2=None):

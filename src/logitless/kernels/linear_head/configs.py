@@ -56,6 +56,10 @@ class Config:
     # engine (operands through descriptors, dz rows the copy engine can address; not when skipping, nor with the
     # entropy's term or a softcap)
     dz_persistent: bool = False
+    # Forward: tiles per vocabulary chunk, the unit of its split layout and of its partial statistics (merged in
+    # chunk order). Fixed per configuration, so that a row's statistics are the same whatever N (docs/rl.md); small
+    # enough that one token block still spreads over the GPU (V / (block_v chunk_tiles) programs).
+    chunk_tiles: int = 2
 
     @property
     def dx_d(self) -> int:
@@ -99,7 +103,7 @@ def fp32_config() -> Config:
     """float32 inputs on any GPU: small tiles (float32 operands take twice the shared memory and registers)."""
     return Config(block_n=64, block_v=64, block_k=32, fwd_warps=4, fwd_stages=2,
                   block_m=64, block_d=64, block_kg=32, grad_warps=4, grad_stages=2,
-                  group=8, waves=8, dz_block_v=64)
+                  group=8, waves=8, dz_block_v=64, chunk_tiles=8)
 
 
 def interpreter_config() -> Config:

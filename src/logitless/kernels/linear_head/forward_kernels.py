@@ -1,6 +1,6 @@
 """Forward kernels of the linear head: online log-sum-exp, target logit, smoothing and entropy sums per (token block,
-vocabulary split) (_fwd_kernel, optionally keeping the first classes' logits for the backward: the stash), then the
-merge of the splits per row (_combine_kernel). Launched by launch.forward_stats."""
+vocabulary chunk) (_fwd_kernel, optionally keeping the first classes' logits for the backward: the stash), then the
+merge of the chunks per row, in chunk order (_combine_kernel). Launched by launch.forward_stats."""
 
 import triton
 import triton.language as tl
@@ -124,7 +124,7 @@ def _fwd_kernel(
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr,
     m_out, s_out, zt_out, sw_out, ent_out, ws_out, tiles_out, zs_out, zo_out, rest_out,
     # sizes
-    N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
+    N, V, D, n_big, chunks_big, n_small, chunks_small, n_vtiles, n_stash,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd,
     # options
@@ -135,22 +135,23 @@ def _fwd_kernel(
     RECORD_TILES: tl.constexpr, STASH: tl.constexpr, STASH_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr, HALF_TANH: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_REST: tl.constexpr, HALF_TANH: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # Two phases of programs (_fwd_layout): first n_big splits of tiles_big tiles for every token block, then the
-    # rest of each block's tiles in n_small splits of tiles_small, which fill the multiprocessors the first phase
-    # leaves idle at its end. Split k of a block always covers the same tiles; the partials are per split.
+    # Two phases of programs (_fwd_layout, in chunks of CHUNK tiles): first n_big splits of chunks_big chunks for
+    # every token block, then the rest of each block's chunks in n_small splits of chunks_small, which fill the
+    # multiprocessors the first phase leaves idle at its end. The partials are per chunk, not per split: a program
+    # restarts its running statistics at each chunk's first tile, so a row's partials, and their merge in chunk
+    # order, are the same whatever the split layout, which depends on N (batch invariance, docs/rl.md).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     if pid < n_blocks * n_big:
         pid_n, split = grouped(pid, n_blocks, n_big, GROUP)
-        j0 = split * tiles_big
-        j1 = j0 + tiles_big
+        j0 = split * chunks_big * CHUNK
+        j1 = tl.minimum(j0 + chunks_big * CHUNK, n_vtiles)
     else:
         pid_n, s2 = grouped(pid - n_blocks * n_big, n_blocks, n_small, GROUP)
-        split = n_big + s2
-        j0 = n_big * tiles_big + s2 * tiles_small
-        j1 = tl.minimum(j0 + tiles_small, n_vtiles)
+        j0 = (n_big * chunks_big + s2 * chunks_small) * CHUNK
+        j1 = tl.minimum(j0 + chunks_small * CHUNK, n_vtiles)
     row0 = pid_n.to(tl.int64) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -182,19 +183,28 @@ def _fwd_kernel(
                 HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_TARGET, HAS_SMOOTH, HAS_CLASS_WEIGHT, HAS_ENTROPY, HAS_PERM,
                 RECORD_TILES, phase == 0, STASH_TMA and phase == 0, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
                 DOT_PRECISION, UPCAST, USE_TMA, EVEN_V, HAS_REST, HALF_TANH)
-    out = split.to(tl.int64) * N + rows
-    tl.store(m_out + out, m, mask=row_ok)
-    tl.store(s_out + out, s, mask=row_ok)
-    if HAS_TARGET:
-        tl.store(zt_out + out, zt, mask=row_ok)
-    if HAS_SMOOTH:
-        tl.store(sw_out + out, sw, mask=row_ok)
-        if pid_n == 0:
-            tl.store(ws_out + split, wsum)
-    if HAS_ENTROPY:
-        tl.store(ent_out + out, ent, mask=row_ok)
-    if HAS_REST:
-        tl.store(rest_out + out, rest, mask=row_ok)
+            j = col0 // BLOCK_V  # the next tile
+            if (j % CHUNK == 0) | (j >= n_vtiles):  # the chunk's last tile: its partials, and a fresh start
+                out = ((j - 1) // CHUNK).to(tl.int64) * N + rows
+                tl.store(m_out + out, m, mask=row_ok)
+                tl.store(s_out + out, s, mask=row_ok)
+                if HAS_TARGET:
+                    tl.store(zt_out + out, zt, mask=row_ok)
+                if HAS_SMOOTH:
+                    tl.store(sw_out + out, sw, mask=row_ok)
+                    if pid_n == 0:
+                        tl.store(ws_out + (j - 1) // CHUNK, wsum)
+                if HAS_ENTROPY:
+                    tl.store(ent_out + out, ent, mask=row_ok)
+                if HAS_REST:
+                    tl.store(rest_out + out, rest, mask=row_ok)
+                m = tl.full((BLOCK_N,), -1e30, tl.float32)
+                s = tl.zeros((BLOCK_N,), tl.float32)
+                zt = tl.zeros((BLOCK_N,), tl.float32)
+                sw = tl.zeros((BLOCK_N,), tl.float32)
+                ent = tl.zeros((BLOCK_N,), tl.float32)
+                rest = tl.zeros((BLOCK_N,), tl.float32)
+                wsum = tl.sum(tl.zeros((1,), tl.float32), axis=0)
 
 
 @triton.jit
@@ -203,7 +213,7 @@ def _combine_kernel(
     m_in, s_in, zt_in, sw_in, ent_in, ws_in, rest_in,
     m_out, logs_out, zt_out, sw_out, ent_out, mu_out, rest_out,
     # sizes
-    N, n_splits,
+    N, n_chunks,
     # meta-parameters
     HAS_TARGET: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_REST: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -214,7 +224,7 @@ def _combine_kernel(
     ok = rows < N
     big_m = tl.full((BLOCK,), -1e30, tl.float32)
     off = rows
-    for _ in range(0, n_splits):
+    for _ in range(0, n_chunks):
         big_m = tl.maximum(big_m, tl.load(m_in + off, mask=ok, other=-1e30))
         off += N
     big_s = tl.zeros((BLOCK,), tl.float32)
@@ -223,7 +233,7 @@ def _combine_kernel(
     ent = tl.zeros((BLOCK,), tl.float32)
     rest = tl.zeros((BLOCK,), tl.float32)
     off = rows
-    for sp in range(0, n_splits):
+    for sp in range(0, n_chunks):
         mi = tl.load(m_in + off, mask=ok, other=-1e30)
         si = tl.load(s_in + off, mask=ok, other=0.0)
         sc = exp(mi - big_m)

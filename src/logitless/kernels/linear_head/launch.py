@@ -35,18 +35,21 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         assert tile_lse.shape == (N, n_vtiles) and tile_lse.dtype == torch.float16
         assert tile_lse.is_contiguous()
     sms = num_sms(x.device, INTERPRETER_SMS_FORWARD)
-    n_big, tiles_big, n_small, tiles_small = plans._fwd_layout(n_blocks, n_vtiles, sms, cfg.group, cfg.waves)
+    # The splits are whole chunks of cfg.chunk_tiles tiles, the partials per chunk (their number depends on V
+    # alone): a row's statistics do not depend on N (batch invariance, docs/rl.md).
+    n_chunks = cdiv(n_vtiles, cfg.chunk_tiles)
+    n_big, chunks_big, n_small, chunks_small = plans._fwd_layout(n_blocks, n_chunks, sms, cfg.group, cfg.waves)
     n_splits = n_big + n_small
     has_target = target is not None
     has_rest = mu_rest is not None
     assert not has_rest or (has_target and perm is None and mu_rest.shape == (2, N))
     # Absent operands are None: Triton makes such an argument a constexpr, and the kernel's flag for it keeps the
     # code that would read it out.
-    # Partial statistics per split: m and s always, the others only where asked for.
+    # Partial statistics per chunk: m and s always, the others only where asked for.
     kept = [True, True, has_target, bool(want_smooth), bool(want_entropy), has_rest]
-    part = new_buffer((sum(kept), n_splits, N), **f32)
+    part = new_buffer((sum(kept), n_chunks, N), **f32)
     part = [part[sum(kept[:i])] if k else None for i, k in enumerate(kept)]
-    wsum = new_buffer(n_splits, **f32)
+    wsum = new_buffer(n_chunks, **f32)
     tma = use_tma(cfg, x, w, perm)
     xo, wo = operands(x, w, tma, cfg.block_n, cfg.block_v, cfg.block_k)
     zs = zo = None
@@ -63,7 +66,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b, target, class_w, perm,
         part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo, part[5],
-        N, V, D, n_big, tiles_big, n_small, tiles_small, n_vtiles, n_stash,
+        N, V, D, n_big, chunks_big, n_small, chunks_small, n_vtiles, n_stash,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_temp),
         HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_TEMP=inv_temp != 1.0, HAS_TARGET=has_target,
@@ -71,14 +74,15 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         HAS_PERM=perm is not None, RECORD_TILES=tile_lse is not None, STASH=stash is not None,
         STASH_TMA=stash_tma, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0, HAS_REST=has_rest,
-        HALF_TANH=x.dtype != torch.float32, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        HALF_TANH=x.dtype != torch.float32, CHUNK=cfg.chunk_tiles, num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_stages,
     )
     block = 256 if x.device.type == "cuda" else 32
     _combine_kernel[(cdiv(N, block),)](
         part[0], part[1], part[2], part[3], part[4], wsum, part[5],
         outs[0], outs[1], outs[2], outs[3], outs[4], mu_rest[0] if has_rest and want_entropy else None,
         mu_rest[1] if has_rest else None,
-        N, n_splits,
+        N, n_chunks,
         HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), HAS_REST=has_rest,
         BLOCK=block,
         num_warps=4,
