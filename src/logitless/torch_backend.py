@@ -43,11 +43,13 @@ _PRODUCTS_RESERVE = 8 << 20
 # The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
 # (three per chunk), and the generic path, which reads it twice in all, is taken instead.
 _MIN_FUSED_ROWS = 32
-# The head op's blocks (head_forward, head_backward) are made of products of exactly ROW_BLOCK rows (the input
-# padded with zero rows to a multiple of it) and HEAD_COLS classes (the last chunk V mod HEAD_COLS): CPU GEMM kernels
-# round a row differently with the number of rows of the product (MKL: 1, 2, 3, 5 and 7 rows differ from 8 and
-# more), and the chunk width sets where the online statistics rescale. Both fixed, a row's statistics and its input
-# gradient do not depend on the batch it is in (docs/rl.md).
+# The head op's blocks (head_forward, head_backward) are products of a multiple of ROW_BLOCK rows (the input padded
+# with zero rows to a multiple of it) and HEAD_COLS classes (the last chunk V mod HEAD_COLS): CPU GEMM kernels round a
+# row differently with the number of rows of the product when it is small or odd (MKL: 1-3, 5-7 and 9-11 rows differ
+# from 16 and more), not between multiples of 16, and the chunk width sets where the online statistics rescale. Both
+# fixed, a row's statistics and its input gradient do not depend on the batch it is in (docs/rl.md;
+# tests/test_batch_invariance.py checks it on the machine it runs on). One product per block, not one per ROW_BLOCK
+# rows: products of 16 rows made the path 3-4 x slower.
 ROW_BLOCK = 16
 HEAD_COLS = 2048
 # cross_entropy on given logits and the two-head losses walk chunks of this many classes...
@@ -295,14 +297,8 @@ def head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_
     xp, n_pad = pad_rows(x)
     tp = None if target is None else torch.nn.functional.pad(target, (0, n_pad - n), value=-1)
 
-    def chunk(i0, i1, v0, v1):
-        # Products of exactly ROW_BLOCK rows (batch invariance: ROW_BLOCK), each into its rows of one block.
-        out = torch.empty(i1 - i0, v1 - v0, device=x.device, dtype=acc)
-        w_c = w[v0:v1] if w.dtype == acc else w[v0:v1].to(acc)
-        b_c = None if b is None else b[v0:v1]
-        for r0 in range(i0, i1, ROW_BLOCK):
-            linear_chunk(xp[r0:r0 + ROW_BLOCK], w_c, b_c, softcap, inv_temp, out=out[r0 - i0:r0 - i0 + ROW_BLOCK])
-        return out
+    def chunk(i0, i1, v0, v1):  # i0, i1: multiples of ROW_BLOCK
+        return linear_chunk(xp[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
 
     temporaries = want_smooth or want_entropy
     # (A weight of another dtype is converted block by block: a copy of the block's W rows next to it.)
@@ -450,8 +446,8 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         if db is not None:
             db.zero_()
         return (dx.to(x.dtype) if need_x else None), dw, db
-    # Products of ROW_BLOCK rows and HEAD_COLS classes, the input padded with zero rows whose coefficients are 0
-    # (their dL/dz is 0): each row's dx is the same whatever the batch (ROW_BLOCK).
+    # Products of a multiple of ROW_BLOCK rows and HEAD_COLS classes, the input padded with zero rows whose
+    # coefficients are 0 (their dL/dz is 0): each row's dx is the same whatever the batch (ROW_BLOCK).
     x_in, n_in = x, n
     x, n = pad_rows(x)
     if n != n_in:
@@ -483,9 +479,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         for i0, i1 in chunks(n, rows):
             x_c = x_all if one_block else x[i0:i1].to(acc)
             sl = slice(i0, i1)
-            z = buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0)
-            for r0 in range(0, i1 - i0, ROW_BLOCK):
-                linear_chunk(x_c[r0:r0 + ROW_BLOCK], w_c, b_c, None, 1.0, out=z[r0:r0 + ROW_BLOCK])
+            z = linear_chunk(x_c, w_c, b_c, None, 1.0, out=buf[: (i1 - i0) * (v1 - v0)].view(i1 - i0, v1 - v0))
             chain = None
             if softcap is not None:  # the chain factor from the raw logits, then the cap in place
                 chain = softcap_slope(z, softcap)
@@ -504,8 +498,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
             if i1 > n_in:  # padding rows: no gradient (their p alone could overflow)
                 dz[max(0, n_in - i0):].zero_()
             if need_x:
-                for r0 in range(i0, i1, ROW_BLOCK):
-                    dx[r0:r0 + ROW_BLOCK].addmm_(dz[r0 - i0:r0 - i0 + ROW_BLOCK], w_c)
+                dx[sl].addmm_(dz, w_c)
             if need_w:
                 if direct:
                     torch.mm(dz.T, x_c, out=dw_c)
