@@ -514,8 +514,12 @@ def row_chunk_plan(N: int, V: int, D: int, dtype: torch.dtype, need_dw: bool, wo
     ld = cdiv(V, 8) * 8
     min_rows = min(N, tune.row_chunk_min_rows)
 
+    # Bytes per row of a chunk: its bf16 logits, and with an unaligned vocabulary its float32 dx rows
+    # (row_chunks._split).
+    per_row = 2 * ld + (4 * D if V % 8 else 0)
+
     def chunking(room):
-        most = room // (2 * ld)
+        most = room // per_row
         if most < min_rows:
             return None
         k = cdiv(N, most)

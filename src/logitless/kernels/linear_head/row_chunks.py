@@ -41,6 +41,13 @@ def _mm(out, a, b, bias=None, accumulate=False):
         torch.mm(a, b, **f32, out=out)
 
 
+def _split(V):
+    # cuBLAS's bf16 products leave their fast path at a class count that is not a multiple of 8 (an odd vocabulary:
+    # 151655 or 50257 classes ran the three products 4-5 x slower, H200): the aligned classes, then the few left.
+    main = V // 8 * 8
+    return [(0, main), (main, V)] if 0 < main < V else [(0, V)]
+
+
 def forward_with_grads(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, plan: RowChunkPlan,
                        needs):
     """(loss, dx, dw, db) for x (N, D) and w (V, D) bfloat16 (b (V,) or None), target (N,) int64, class_w (V,)
@@ -63,24 +70,32 @@ def forward_with_grads(x, w, b, target, class_w, reduction, ignore_index, eps, z
     db = torch.zeros(V, device=dev, dtype=torch.float32) if need_b else None
     loss_rows = torch.empty(N, device=dev, dtype=torch.float32)
     buf = torch.empty(plan.rows * plan.ld, device=dev, dtype=x.dtype)
-    wt = w.t()
+    parts = _split(V)
+    # With an unaligned tail, a chunk's dx sums two products: in float32, rounded once into dx.
+    dx32 = (torch.empty(plan.rows, D, device=dev, dtype=torch.float32) if need_x and len(parts) > 1 else None)
     with _Fp32Reductions() if x.is_cuda else contextlib.nullcontext():
         for i, i0 in enumerate(range(0, N, plan.rows)):
             i1 = min(i0 + plan.rows, N)
             x_c = x[i0:i1]
             z = buf[: (i1 - i0) * plan.ld].view(i1 - i0, plan.ld)[:, :V]
-            _mm(z, x_c, wt, bias=b)
+            for v0, v1 in parts:
+                _mm(z[:, v0:v1], x_c, w[v0:v1].t(), bias=None if b is None else b[v0:v1])
             rows_loss, _, _ = ce.cross_entropy_fwd(z, target[i0:i1], class_w, w_sum, scale,
                                                    ignore_index=ignore_index, label_smoothing=eps, z_loss=z_loss,
                                                    softcap=softcap, write_grad=True)
             loss_rows[i0:i1] = rows_loss
             if need_x:
-                _mm(dx[i0:i1], z, w)
+                out = dx[i0:i1] if dx32 is None else dx32[: i1 - i0]
+                for k, (v0, v1) in enumerate(parts):
+                    _mm(out, z[:, v0:v1], w[v0:v1], accumulate=k > 0)
+                if dx32 is not None:
+                    dx[i0:i1].copy_(out)
             if need_w:
-                _mm(acc, z.t(), x_c, accumulate=i > 0)
+                for v0, v1 in parts:
+                    _mm(acc[v0:v1], z[:, v0:v1].t(), x_c, accumulate=i > 0)
             if need_b:
                 db += z.sum(0, dtype=torch.float32)
-    del buf
+    del buf, dx32
     if acc is not None and acc is not dw:
         dw.copy_(acc)
         del acc
