@@ -71,6 +71,9 @@ class Tuning:
     # ... chunks at most when the weight's gradient is accumulated in bf16 (one rounding per chunk; the bound:
     # docs/design/row_chunks.md); more need a float32 accumulator or fall back to the column plan.
     row_chunk_max_bf16: int = 4
+    # ... whether dW may be accumulated in float32 (None: where the budget allows it, row_chunk_plan; False: bf16
+    # always, within row_chunk_max_bf16 chunks: the tests of that bound).
+    row_chunk_f32_dw: bool | None = None
     # Every output and workspace starts as NaN, so an element that is never written shows up (tests).
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).

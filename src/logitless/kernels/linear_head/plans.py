@@ -529,7 +529,7 @@ def row_chunk_plan(N: int, V: int, D: int, dtype: torch.dtype, need_dw: bool, wo
         return rows, cdiv(N, rows)
 
     bf16 = chunking(budget)
-    f32 = chunking(budget - 4 * V * D) if need_dw else None
+    f32 = chunking(budget - 4 * V * D) if need_dw and tune.row_chunk_f32_dw is not False else None
     if f32 is not None and (bf16 is None or f32[1] <= bf16[1] + 1):
         return RowChunkPlan(f32[0], f32[1], ld, True)
     if bf16 is None or (need_dw and bf16[1] > tune.row_chunk_max_bf16):
