@@ -93,8 +93,11 @@ def linear_cross_entropy(
             classes) and holds split partials. ``0`` (anything up to 8 MiB): the leanest plan, 8 MiB. A number: that
             budget, spent the same way (on an H200 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward +
             backward 1-10% faster than the leanest plan; BENCHMARKS.md). The result does not depend on it beyond
-            float32 summation order. Ignored on the PyTorch path (which sizes its blocks by the same policy); with
-            ``process_group``, each rank's budget for its shard.
+            float32 summation order. With bf16 inputs, D >= 2048 and a reduced loss whose gradient is wanted, the
+            default budget is half of the bf16 logits (``N * V`` bytes) and buys the row-chunk plan (the gradients
+            in the forward over chunks of full rows of logits, three products; docs/design/row_chunks.md), whose
+            logits are rounded to bf16 as PyTorch's are. Ignored on the PyTorch path (which sizes its blocks by the
+            same policy); with ``process_group``, each rank's budget for its shard.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.
