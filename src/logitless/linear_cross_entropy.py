@@ -5,7 +5,9 @@ PyTorch path) -> the head op's per-row statistics (head.stats: row max, log-sum-
 -> the cross-entropy written on them (loss_math, the same code on every path) -> the reduction. The backward is
 autograd's through that expression, down to the head op's one generic backward (loss_math describes the form of
 the gradient). On the PyTorch path a reduced loss with a gradient wanted takes a fused path instead
-(torch_backend.fused_linear_cross_entropy: the gradients in the forward, the same loss_math terms). With
+(torch_backend.fused_linear_cross_entropy: the gradients in the forward, the same loss_math terms); on the Triton
+path, where the policy finds it faster, the row-chunk plan (triton_backend.row_chunk_linear_cross_entropy: the
+gradients in the forward over chunks of full rows of logits). With
 ``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate, distributed, head, loss_math, torch_backend
+from . import _validate, distributed, head, loss_math, torch_backend, triton_backend
 from ._validate import check_workspace
 from .head import DEFAULT_SKIP_THRESHOLD, HALF_SKIP_THRESHOLD, class_counts
 
@@ -91,8 +93,11 @@ def linear_cross_entropy(
             classes) and holds split partials. ``0`` (anything up to 8 MiB): the leanest plan, 8 MiB. A number: that
             budget, spent the same way (on an H200 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward +
             backward 1-10% faster than the leanest plan; BENCHMARKS.md). The result does not depend on it beyond
-            float32 summation order. Ignored on the PyTorch path (which sizes its blocks by the same policy); with
-            ``process_group``, each rank's budget for its shard.
+            float32 summation order. With bf16 inputs, D >= 2048 and a reduced loss whose gradient is wanted, the
+            default budget is half of the bf16 logits (``N * V`` bytes) and buys the row-chunk plan (the gradients
+            in the forward over chunks of full rows of logits, three products; docs/design/row_chunks.md), whose
+            logits are rounded to bf16 as PyTorch's are. Ignored on the PyTorch path (which sizes its blocks by the
+            same policy); with ``process_group``, each rank's budget for its shard.
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded: ``linear_weight``
             (and ``linear_bias``, ``weight``) hold this rank's contiguous rows, in rank order; targets are global.
             See :mod:`logitless.distributed`.
@@ -143,6 +148,15 @@ def linear_cross_entropy(
             return torch_backend.fused_linear_cross_entropy(args.x, args.weight, args.bias, args.target, class_w,
                                                             reduction, ignore_index, label_smoothing, z_loss,
                                                             softcap, rows)
+    else:
+        # Training with a reduced loss, where the policy finds it faster within the budget: the gradients in the
+        # forward over chunks of full rows of logits (three products; docs/design/row_chunks.md).
+        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, skip_threshold, vocab_order,
+                                             workspace_bytes)
+        if plan is not None:
+            return triton_backend.row_chunk_linear_cross_entropy(args.x, args.weight, args.bias, args.target,
+                                                                 class_w, reduction, ignore_index, label_smoothing,
+                                                                 z_loss, softcap, plan)
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,

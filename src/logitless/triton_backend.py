@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import graph_kept, no_double_backward, no_setup
+from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup
 from .loss_math import Stats, head_coefficients
 
 
@@ -210,3 +210,77 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     m, logs, zt, sw, ent = out[:5]
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
                  ent if want_entropy else None, out[9] if want_lse else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The row-chunk plan of a reduced loss with a gradient wanted (kernels/linear_head/row_chunks.py)
+
+
+def row_chunk_plan(x, w, b, reduction, skip_threshold, vocab_order, workspace_bytes):
+    """The row-chunk plan (kernels.linear_head.plans.row_chunk_plan) for validated 2-D inputs, or None where the
+    column plan runs: a loss that is not reduced, no gradient wanted now, while torch.compile traces (it keeps the
+    op's graph: a forward that computes gradients would hide them from it), skipping or a vocabulary order asked
+    for (the column plan's options), an empty or strided operand."""
+    from ._validate import _is_compiling
+
+    needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+    if (reduction == "none" or not torch.is_grad_enabled() or not any(needs) or _is_compiling()
+            or skip_threshold not in (None, 0, 0.0) or not (isinstance(vocab_order, str) and vocab_order == "none")
+            or x.shape[0] == 0 or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)
+            or x.stride(1) != 1 or w.stride(1) != 1):
+        return None
+    from .kernels.linear_head import plans
+
+    return plans.row_chunk_plan(x.shape[0], w.shape[0], x.shape[1], x.dtype, needs[1], workspace_bytes)
+
+
+class _RowChunkCrossEntropy(torch.autograd.Function):
+    """(x, W, b) -> the reduced cross-entropy, its gradients computed in the forward (row_chunks.forward_with_grads);
+    the backward scales them by the upstream gradient: into fresh tensors while the graph is kept (any number of
+    backwards with retain_graph=True give the same gradients), in place in the backward that frees the graph (dx and
+    dW through a kernel that leaves them untouched when the upstream gradient is exactly 1), so that AccumulateGrad
+    takes them over without a copy."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, plan):
+        from .kernels.linear_head import row_chunks
+
+        needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+        loss, dx, dw, db = row_chunks.forward_with_grads(x, w, b, target, class_w, reduction, ignore_index, eps,
+                                                         z_loss, softcap, plan, needs)
+        ctx.save_for_backward(x, w, b)  # for first_order_only's anchors only
+        ctx.grads = (dx, dw, db)
+        ctx.bias_dtype = None if b is None else b.dtype
+        return loss
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        grads = ctx.grads
+        if grads is None:
+            _ = ctx.saved_tensors  # PyTorch's own error for a freed graph
+            raise RuntimeError("logitless.linear_cross_entropy: backward through a graph that was already freed; "
+                               "pass retain_graph=True to the earlier backward")
+        dx, dw, db = grads
+        g = g.float()
+        if graph_kept():  # the graph may be differentiated again: the unscaled gradients stay for that backward
+            out = tuple(None if t is None else t * g for t in (dx, dw))
+            db = None if db is None else (db * g).to(ctx.bias_dtype)
+        else:
+            from .kernels.cross_entropy import scale_rows_
+
+            ctx.grads = None
+            out = tuple(None if t is None else scale_rows_(t, g) for t in (dx, dw))
+            db = None if db is None else db.mul_(g).to(ctx.bias_dtype)
+            del grads
+        return (*out, db) + (None,) * 8
+
+
+def row_chunk_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss,
+                                   softcap, plan):
+    """linear_cross_entropy's reduced loss through the row-chunk plan (row_chunk_plan gives `plan`); autocast off
+    inside, as in stats()."""
+    cw = None if class_w is None else class_w.float().contiguous()
+    with torch.autocast(x.device.type, enabled=False):
+        return _RowChunkCrossEntropy.apply(x, w, b, target, cw, reduction, ignore_index, float(label_smoothing),
+                                           float(z_loss), None if softcap is None else float(softcap), plan)

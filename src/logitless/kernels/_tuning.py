@@ -57,6 +57,23 @@ class Tuning:
     # which a sum over a few nearly cancelling terms amplifies (D = 1 and 3: 2-4 x PyTorch's own error, found by
     # fuzzing). The copies take (N + 2 V) D float32 numbers.
     narrow_d: int = 8
+    # The row-chunk plan of a reduced linear_cross_entropy with a gradient wanted (plans.row_chunk_plan: the
+    # gradients in the forward, over chunks of rows that hold their full row of bf16 logits, three products):
+    # None: where the policy predicts it faster (bf16, D >= row_chunk_min_d, within the budget); True: wherever the
+    # budget and the precision caps allow it (tests, A/B runs); False: never (the column plan, with its stash).
+    row_chunks: bool | None = None
+    # ... the policy's width from which it pays: it saves the recomputing product (2 N V D FLOP, less the stash's
+    # share) and costs memory passes over the bf16 logits (about 5 x 2 N V bytes), so it wins from a width on
+    # (docs/design/row_chunks.md).
+    row_chunk_min_d: int = 2048
+    # ... rows per chunk at least (all of them when fewer): smaller products leave cuBLAS's fast path.
+    row_chunk_min_rows: int = 1024
+    # ... chunks at most when the weight's gradient is accumulated in bf16 (one rounding per chunk; the bound:
+    # docs/design/row_chunks.md); more need a float32 accumulator or fall back to the column plan.
+    row_chunk_max_bf16: int = 4
+    # ... whether dW may be accumulated in float32 (None: where the budget allows it, row_chunk_plan; False: bf16
+    # always, within row_chunk_max_bf16 chunks: the tests of that bound).
+    row_chunk_f32_dw: bool | None = None
     # Every output and workspace starts as NaN, so an element that is never written shows up (tests).
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).
