@@ -69,8 +69,8 @@ def test_finetune_job_runs_checks_and_reports(tiny_llama, tmp_path, monkeypatch)
 
 def test_rule_refuses_a_diverging_trajectory():
     ref = [5.0, 4.8, 4.6, 4.4]
-    scale = [5.001, 4.799, 4.602, 4.401]  # errors 1e-3, 1e-3, 2e-3, 1e-3: tolerance 2x the largest so far
-    close = [5.0015, 4.8019, 4.5965, 4.404]
+    scale = [5.0, 4.799, 4.602, 4.401]  # errors 0, 1e-3, 2e-3, 1e-3: tolerance 2x the largest, 4e-3
+    close = [5.0015, 4.8019, 4.5965, 4.404]  # the first step's error is not held to stock's (by chance zero) own
     assert finetune.judge(ref, scale, close, 4)["ok"]
     drift = [5.0015, 4.8019, 4.61, 4.5]
     v = finetune.judge(ref, scale, drift, 4)
