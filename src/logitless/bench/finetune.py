@@ -184,7 +184,9 @@ def prepare(cfg: Config, work: Path, log=print) -> dict:
     V = lm.get_output_embeddings().weight.shape[0]
     (work / "model").mkdir(parents=True, exist_ok=True)
     lm.config.to_json_file(str(work / "model" / "config.json"))
-    torch.save(lm.state_dict(), work / "model" / "state.pt")
+    # The buffers too (rotary frequencies, embedding scales): a model built without initialising its weights may
+    # leave the non-persistent ones, which a state dict omits, to the initialisation that was skipped.
+    torch.save({"state": lm.state_dict(), "buffers": dict(lm.named_buffers())}, work / "model" / "state.pt")
     n_params = sum(p.numel() for p in lm.parameters())
     model_type = lm.config.model_type
     del lm
@@ -555,7 +557,11 @@ def train(spec: dict) -> dict:
         no_init_weights = contextlib.nullcontext
     with no_init_weights():
         lm = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
-    lm.load_state_dict(torch.load(work / "model" / "state.pt", map_location="cpu", weights_only=True))
+    saved = torch.load(work / "model" / "state.pt", map_location="cpu", weights_only=True)
+    lm.load_state_dict(saved["state"])
+    with torch.no_grad():
+        for bname, buf in saved["buffers"].items():
+            lm.get_buffer(bname).copy_(buf)
     # Mixed precision as a fine-tuning loop runs it: float32 parameters, gradients and AdamW state, the forward and
     # backward under autocast; --pure-dtype casts the parameters instead.
     autocast = dtype in (torch.bfloat16, torch.float16) and not spec.get("pure", False)
