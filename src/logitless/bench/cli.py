@@ -63,6 +63,7 @@ provider but the opt-in variants. On a CPU a small run (about a minute on two co
 data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
 torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.svg
+(--job finetune: finetune.txt, finetune.md, finetune.json, finetune.svg)
 """
 
 
