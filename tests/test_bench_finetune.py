@@ -90,3 +90,28 @@ def test_finetune_refuses_bad_options(tiny_llama, capsys):
         with pytest.raises(SystemExit):
             main([*argv, "--device", "cpu", "--model-file", str(tiny_llama), "--no-progress"])
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("time_failing", [False, True])
+def test_a_diverging_variant_is_refused(monkeypatch, time_failing):
+    ref = [5.0, 4.8, 4.6, 4.4]
+    losses = {"hf": [5.0, 4.801, 4.602, 4.401], "logitless": [5.0, 4.801, 4.61, 4.5],
+              "hf-compile": [5.0, 4.8, 4.601, 4.402]}
+    info = {"model": "m", "source": "m.gguf", "model_type": "llama", "V": 10, "params": 1000, "text": "t"}
+    monkeypatch.setattr(finetune, "prepare", lambda cfg, work, log: info)
+    monkeypatch.setattr(finetune, "run_reference", lambda work, cfg: {"variant": "reference", "status": "ok",
+                                                                     "losses": ref, "wall_s": 1.0})
+    monkeypatch.setattr(finetune, "run_process", lambda work, name, cfg, steps: {
+        "variant": name, "status": "ok", "error": "", "losses": losses[name], "median_ms": 10.0,
+        "tokens_per_s": 100.0, "peak_step_bytes": 2**20, "peak_total_bytes": None, "first_step_s": 1.0,
+        "step_ms": [10.0], "wall_s": 2.0})
+    cfg = finetune.Config(device="cpu", dtype="fp32", batch=1, seq=8, steps=4, warmup=1, check_steps=4, lr=1e-3,
+                          seed=0, variants=["hf", "logitless", "hf-compile"], time_failing=time_failing)
+    res = finetune.run(cfg, log=lambda msg: None)
+    bad = res["variants"]["logitless"]
+    assert bad["status"] == "failed check" and bad["checks"]["first_bad_step"] == 3
+    assert "at step 3" in bad["error"]
+    assert ("median_ms" in bad) == time_failing  # refused: no time or memory unless asked
+    assert res["variants"]["hf-compile"]["check"] == "ok" and res["variants"]["hf-compile"]["median_ms"] == 10.0
+    text = finetune.tables(res)
+    assert "FAIL" in text and "diverge" in text
