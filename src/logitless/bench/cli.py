@@ -14,7 +14,7 @@ import torch
 
 from .. import _files
 from . import cases as C
-from . import data, providers, report
+from . import data, finetune, providers, report
 from .runner import Options, run
 
 DESCRIPTION = """\
@@ -30,6 +30,9 @@ Jobs (phases):
   ce        cross_entropy on existing N x V logits: fwd+bwd (in place where the provider supports it)
   distill   linear_jsd (beta 0.5) of a student head against a teacher head of the same shape: fwd+bwd
             (gradients to the student); opt-in: runs only when named in --job
+  finetune  full training steps (forward, backward, AdamW) of a real small LM on real text, per variant (stock
+            transformers, logitless.patch, each eager and compiled; Liger), each in its own process, losses checked
+            step by step against float64; opt-in, runs alone; --providers/--exclude pick its variants
 
 Figures per phase: median time (CUDA events on a GPU, wall clock on a CPU); peak memory allocated above the
 inputs and the outputs (CUDA caching allocator on a GPU, PyTorch's profiler on a CPU); TFLOP/s counting
@@ -60,6 +63,7 @@ provider but the opt-in variants. On a CPU a small run (about a minute on two co
 data, with logitless-torch, torch-eager and the floor (the providers that are slow on a CPU, torch-compile,
 torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.svg
+(--job finetune: finetune.txt, finetune.md, finetune.json, finetune.svg)
 """
 
 
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--job", action="append", metavar="JOB",
-                    help=f"job(s) to run, comma-separated or repeated: {', '.join(C.ALL_JOBS)} (default: "
+                    help=f"job(s) to run, comma-separated or repeated: {', '.join(C.ALL_JOBS)}, finetune (default: "
                          f"{', '.join(C.JOBS)})")
     ap.add_argument("--preset", action="append", metavar="NAME",
                     help="shape preset(s), comma-separated or repeated; with --shape, replaces the default shapes "
@@ -136,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list providers, with why any cannot run here, and exit")
+    finetune.add_arguments(ap)
     return ap
 
 
@@ -293,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         return _list(_device(args.device))
+    if "finetune" in _split(args.job):
+        return _finetune(args, parser, argv)
+    for name in finetune.FINETUNE_ONLY:
+        if getattr(args, name) is not None:
+            parser.error(f"--{name.replace('_', '-')} applies to --job finetune only")
     cases, chosen, opts = resolve(args, parser)
     _check_out(args.out, parser)
     if args.no_clobber:
@@ -342,6 +352,17 @@ def _write(args, result, meta: dict, text: str, legend: str, header: str) -> lis
         if not args.no_plots:
             written += [os.path.basename(p) for p in report.write_plots(result, args.out, opener=files.open)]
     return written
+
+
+def _finetune(args, parser, argv) -> int:
+    """--job finetune: its own machinery (bench/finetune.py), the same device, metadata and output folder."""
+    if _split(args.job) != ["finetune"]:
+        parser.error("--job finetune runs alone: give it without other jobs")
+    device = _device(args.device)
+    _check_out(args.out, parser)
+    meta = _meta(argv, device, [])
+    meta["device_name"] = str(device)
+    return finetune.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
 
 
 def _check_out(out: str, parser) -> None:
