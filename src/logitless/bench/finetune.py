@@ -426,7 +426,7 @@ def add_arguments(ap) -> None:
     g.add_argument("--check-steps", type=int, default=None, metavar="K",
                    help="steps whose losses are checked against float64 (default: min(20, --steps))")
     g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: %(default)s)")
-    g.add_argument("--pure-dtype", action="store_true",
+    g.add_argument("--pure-dtype", action="store_true", default=None,  # None: not given (FINETUNE_ONLY)
                    help="bf16: keep the parameters, gradients and AdamW state in bf16 (default: float32 parameters, "
                         "the steps under torch.autocast(bf16), as mixed-precision training does)")
 
