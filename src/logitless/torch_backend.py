@@ -242,8 +242,12 @@ def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def fixed_block(elems: int, V: int) -> tuple[int, int]:
     """(rows, cols) of a block of about `elems` elements for the head op's fixed shapes: HEAD_COLS classes (all V
-    when fewer) and a multiple of ROW_BLOCK rows (at least one)."""
+    when fewer) and a multiple of ROW_BLOCK rows (at least one). A budget below ROW_BLOCK x HEAD_COLS elements
+    halves the classes until one row block fits (down to 128): the policy's floor (loss_math.POLICY_MIN_BYTES) is
+    far above that, so only a budget set below it makes the width, and with it the rounding, depend on N."""
     cols = min(V, HEAD_COLS)
+    while cols > 128 and elems < ROW_BLOCK * cols:
+        cols //= 2
     return max(1, elems // (cols * ROW_BLOCK)) * ROW_BLOCK, cols
 
 

@@ -193,3 +193,11 @@ def make_inputs(job: str, head: data.Head, rows: slice | None = None, seed: int 
 
 def mib(nbytes: float) -> float:
     return nbytes / 2**20 if nbytes == nbytes else math.nan
+
+
+def split_values(values) -> list[str]:
+    """The comma-separated values of a repeatable command-line option (`--dtype bf16,fp16 --dtype fp32`), in order."""
+    out = []
+    for v in values or []:
+        out += [p.strip() for p in v.split(",") if p.strip()]
+    return out

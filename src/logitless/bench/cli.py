@@ -67,11 +67,7 @@ outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>
 """
 
 
-def _split(values):
-    out = []
-    for v in values or []:
-        out += [p.strip() for p in v.split(",") if p.strip()]
-    return out
+_split = C.split_values
 
 
 def _name_width() -> int:

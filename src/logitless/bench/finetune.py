@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from .cases import split_values
+
 FORMAT = "logitless-finetune/1"
 
 
@@ -436,27 +438,25 @@ NOT_FOR_FINETUNE = ("preset", "shape", "data", "data_file", "cache_dir")
 
 
 def config_from_args(args, parser, device: str, warmup_given: bool) -> Config:
-    from .cli import _split
-
     gpu = device.startswith("cuda")
     d = DEFAULTS["cuda" if gpu else "cpu"]
     for name in NOT_FOR_FINETUNE:
         if getattr(args, name, None):
             parser.error(f"--{name.replace('_', '-')} does not apply to --job finetune")
-    dtypes = _split(args.dtype) or (["bf16"] if gpu else ["fp32"])
+    dtypes = split_values(args.dtype) or (["bf16"] if gpu else ["fp32"])
     if len(dtypes) != 1 or dtypes[0] not in ("bf16", "fp32"):
         parser.error("--job finetune takes one --dtype: bf16 or fp32 (fp16 training needs a loss scaler)")
     if args.pure_dtype and dtypes[0] != "bf16":
         parser.error("--pure-dtype applies to --dtype bf16")
     known = {v.name for v in VARIANTS}
     if args.providers:
-        names = _split(args.providers)
+        names = split_values(args.providers)
         for n in names:
             if n not in known:
                 parser.error(f"unknown finetune variant {n!r}; expected some of {', '.join(known)}")
     else:
         names = [v.name for v in VARIANTS if (v.gpu_default if gpu else v.cpu_default)]
-    excluded = set(_split(args.exclude))
+    excluded = set(split_values(args.exclude))
     for n in excluded:
         if n not in known:
             parser.error(f"unknown finetune variant {n!r} in --exclude; expected some of {', '.join(known)}")
