@@ -58,7 +58,8 @@ class Config:
     dz_persistent: bool = False
     # Forward: tiles per vocabulary chunk, the unit of its split layout and of its partial statistics (merged in
     # chunk order). Fixed per configuration, so that a row's statistics are the same whatever N (docs/rl.md); small
-    # enough that one token block still spreads over the GPU (V / (block_v chunk_tiles) programs).
+    # enough that one token block still spreads over the GPU (V / (block_v chunk_tiles) programs), large enough
+    # that the chunks' epilogues stay a small part of a program (Hopper: 8; docs/rl.md, "What it costs").
     chunk_tiles: int = 2
 
     @property
@@ -87,7 +88,7 @@ def hopper_config() -> Config:
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
                   group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768,
-                  cap_dz_block_v=128, cap_dz_stages=4, dz_persistent=True)
+                  cap_dz_block_v=128, cap_dz_stages=4, dz_persistent=True, chunk_tiles=8)
 
 
 def small_smem_config() -> Config:
