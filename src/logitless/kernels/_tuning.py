@@ -39,15 +39,14 @@ class Tuning:
     # The backward's two gradient products of a chunk (dW rows = dz^T x, dx_acc += dz W[chunk]) through cuBLAS
     # (torch.mm / torch.addmm with a float32 output for dx) instead of _dgrad_kernel. None: for bfloat16 / float16
     # on CUDA, without skipping or a vocabulary order, where torch has matmuls with a float32 output (>= 2.8). True
-    # runs the same calls on the CPU (there in float32). H200: fwd+bwd 2-5% faster at D >= 2304, 5-6% at
-    # qwen3-small.
+    # runs the same calls on the CPU (there in float32). Faster at every benchmark shape
+    # (docs/design/gradient_products.md).
     torch_products: bool | None = None
     # The forward keeps the logits of the first classes for the backward where the weight's gradient buffer has
     # room for them before it is written (stash_layout): their recomputation is skipped.
     stash_logits: bool = True
     # ... when it saves at least this many FLOP of recomputation (2 N D per stashed class): below, the stash's fixed
-    # costs (host time, the forward's stashing loop) outweigh it. H200 A/B: fwd+bwd 0.3% faster at qwen3-small's
-    # 2.2e11, 6.5% slower at (4096, 2048, 32000)'s 1.3e11, 2.5-16% faster from 2.4e12 up.
+    # costs (host time, the forward's stashing loop) outweigh it (docs/design/stash.md).
     stash_min_flop: float = 5e11
     # The forward writes the stash through a tensor descriptor (the copy engine) where its operands use them and
     # the stash's rows are 16-byte aligned (N % 8 == 0); else with pointer stores.

@@ -44,13 +44,12 @@ class Config:
     wide: int = 4096  # first-pass chunks up to this many classes while their dz fits in unwritten dW rows
     grad_tma: bool = False  # gradient products' operands through tensor descriptors where possible
     # dx output tiles' columns in the Triton gradient products (0: block_d). Narrower dx tiles give each token
-    # block more programs; measured slower when skipping (H100, Gemma 3 270M's head in mass order, D = 640 / 2304:
-    # 64 columns 4.4 / 9.5 ms of products against 4.1 / 7.8 with 256), so the GPU configs keep block_d.
+    # block more programs, but measured slower when skipping (docs/design/skipping.md), so the GPU configs keep
+    # block_d.
     dx_block_d: int = 0
     # First-pass chunks of up to this many classes when the backward skips (0: wide). A skipping chunk's kernels
-    # are short, so each chunk's fixed costs (launches, the dx accumulator's round trip) weigh more: H100, Gemma 3
-    # 270M's head stored in mass order, 32768 against 8192 classes: 11.2 against 12.8 ms at D = 640, 25.1 against
-    # 25.9 ms at D = 2304 (tools/gpu_skip.py).
+    # are short, so each chunk's fixed costs (launches, the dx accumulator's round trip) weigh more, and wider
+    # chunks measured faster (docs/design/skipping.md).
     skip_wide: int = 0
     # The dz launches of chunks that recompute their logits as a persistent grid that stores dz through the copy
     # engine (operands through descriptors, dz rows the copy engine can address; not when skipping, nor with the
@@ -71,20 +70,15 @@ class Config:
 
 
 def hopper_config() -> Config:
-    """Hopper-class GPUs (>= 200 KB of shared memory a block), bfloat16 / float16. H200, llama3-8b uniform: forward
-    128 x 256 x 64 tiles, 8 warps, 3 stages (28.2 ms against 34.2 for 128 x 128); dz tiles 128 x 256 (fwd+bwd
-    134.5 ms against 140.2 for 128 x 128); gradient products 128 x 256 x 64, 4 stages (137.1 against 140.2 for 3
-    stages). Forward and dz operands through tensor descriptors (no-grad log-probs 1.01-1.07 x one cuBLAS product
-    at three of four shapes, against 1.24-1.28 x with pointer loads; fwd+bwd 5-8% faster); a flattened tile loop
-    (tl.range(flatten=True)) was 30% slower. The gradient products' operands through descriptors too (fwd+bwd 1-4%
-    faster). First-pass chunks of up to 8192 classes (against 4096: half the dx accumulator's round trips at
-    llama3-8b and mistral-nemo; fwd+bwd 0.4-1.2% faster at four shapes in an interleaved A/B, gradients bitwise the
-    same). With a softcap, dz tiles of 128 x 128 x 64 in 4 stages: its slope is a second live 128 x 256 tile, and
-    at 128 x 256 the dz kernel took 2 x its time without a softcap (H100, softcap 30, no stash: dz kernel 28.1 ->
-    14.9 ms at qwen3-small, 32.5 -> 21.4 at gemma2-2b; 3 stages 16.7 / 24.7). The backward's logits must be the
-    forward's bitwise (a recomputed maximum meets its own m exactly): on the H100 the 128-class dz tiles gave
-    gradients bitwise equal to the 256-class ones; the interpreter's numpy products round differently per tile
-    shape, so its config keeps one dz tile (test_softcap_dz_tiles forces the other path there)."""
+    """Hopper-class GPUs (>= 200 KB of shared memory a block), bfloat16 / float16, each choice measured
+    (docs/design/tiles.md, forward.md, backward.md): forward 128 x 256 x 64 tiles, 8 warps, 3 stages; dz tiles
+    128 x 256; gradient products 128 x 256 x 64, 4 stages; forward, dz and gradient-product operands through tensor
+    descriptors (a flattened forward tile loop was slower); first-pass chunks of up to 8192 classes (half the dx
+    accumulator's round trips of 4096); forward chunks of 8 tiles (docs/rl.md). With a softcap, dz tiles of
+    128 x 128 x 64 in 4 stages: its slope is a second live tile, and at 128 x 256 the dz kernel took twice its time.
+    The backward's logits must be the forward's bitwise (a recomputed maximum meets its own m exactly): the 128-class
+    dz tiles gave gradients bitwise equal to the 256-class ones on the GPU; the interpreter's numpy products round
+    differently per tile shape, so its config keeps one dz tile (test_softcap_dz_tiles forces the other path)."""
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
                   group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768,
