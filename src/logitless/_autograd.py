@@ -65,6 +65,25 @@ def graph_kept() -> bool:
         return True
 
 
+def scale_forward_grads(ctx, g, scale_=None) -> tuple:
+    """The backward of a loss whose gradients were computed in its forward for an upstream gradient of 1:
+    ctx.grads holds them (a tuple, None where not wanted), ctx.dtypes the dtypes to return them in, and the inputs
+    are saved tensors. While the graph is kept, each backward scales them into fresh tensors, so any number of
+    backwards give the same gradients; the backward that frees the graph scales them in place (`scale_(t, g)`, by
+    default t.mul_(g)) and drops ctx's reference, so that AccumulateGrad takes them over as .grad without a copy.
+    After that, PyTorch's own error for a freed graph."""
+    grads = ctx.grads
+    if grads is None:
+        _ = ctx.saved_tensors  # raises PyTorch's error for a freed graph
+        raise RuntimeError("logitless: backward through a graph that was already freed; pass retain_graph=True to "
+                           "the earlier backward")
+    if graph_kept():
+        return tuple(None if t is None else (t * g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
+    ctx.grads = None
+    scale_ = scale_ or (lambda t, s: t.mul_(s))
+    return tuple(None if t is None else scale_(t, g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
+
+
 def no_setup(ctx, inputs, output):
     """setup_context of a torch.library op whose autograd formula only refuses (no_double_backward)."""
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._autograd import first_order_only, graph_kept
+from ._autograd import first_order_only, scale_forward_grads
 from .loss_math import (
     Stats,
     ce_backward_coef,
@@ -49,7 +49,7 @@ _MIN_FUSED_ROWS = 32
 # from 16 and more), not between multiples of 16, and the chunk width sets where the online statistics rescale. Both
 # fixed, a row's statistics and its input gradient do not depend on the batch it is in (docs/rl.md;
 # tests/test_batch_invariance.py checks it on the machine it runs on). One product per block, not one per ROW_BLOCK
-# rows: products of 16 rows made the path 3-4 x slower.
+# rows, which were several times slower (docs/rl.md).
 ROW_BLOCK = 16
 HEAD_COLS = 2048
 # cross_entropy on given logits and the two-head losses walk chunks of this many classes...
@@ -667,20 +667,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g):
-        grads = ctx.grads
-        if grads is None:  # the graph was freed by an earlier backward: PyTorch's own error says so
-            _ = ctx.saved_tensors
-            raise RuntimeError("logitless.linear_cross_entropy: backward through a graph that was already freed; "
-                               "pass retain_graph=True to the earlier backward")
-        if graph_kept():  # the graph may be differentiated again: the unscaled gradients stay for that backward
-            out = tuple(None if t is None else (t * g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
-            return (*out, None, None, None, None, None, None, None, None)
-        # The last backward through this graph: scale in place and keep no reference, so that autograd can take the
-        # tensors over as .grad without a copy (the single backward's memory stays that of the gradients alone).
-        ctx.grads = None
-        out = tuple(None if t is None else t.mul_(g).to(dt) for t, dt in zip(grads, ctx.dtypes, strict=True))
-        del grads
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*scale_forward_grads(ctx, g), None, None, None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup
+from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
 from .loss_math import Stats, head_coefficients
 
 
@@ -250,30 +250,17 @@ class _RowChunkCrossEntropy(torch.autograd.Function):
                                                          z_loss, softcap, plan, needs)
         ctx.save_for_backward(x, w, b)  # for first_order_only's anchors only
         ctx.grads = (dx, dw, db)
-        ctx.bias_dtype = None if b is None else b.dtype
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return loss
 
     @staticmethod
     @first_order_only
     def backward(ctx, g):
-        grads = ctx.grads
-        if grads is None:
-            _ = ctx.saved_tensors  # PyTorch's own error for a freed graph
-            raise RuntimeError("logitless.linear_cross_entropy: backward through a graph that was already freed; "
-                               "pass retain_graph=True to the earlier backward")
-        dx, dw, db = grads
-        g = g.float()
-        if graph_kept():  # the graph may be differentiated again: the unscaled gradients stay for that backward
-            out = tuple(None if t is None else t * g for t in (dx, dw))
-            db = None if db is None else (db * g).to(ctx.bias_dtype)
-        else:
-            from .kernels.cross_entropy import scale_rows_
+        from .kernels.cross_entropy import scale_rows_
 
-            ctx.grads = None
-            out = tuple(None if t is None else scale_rows_(t, g) for t in (dx, dw))
-            db = None if db is None else db.mul_(g).to(ctx.bias_dtype)
-            del grads
-        return (*out, db) + (None,) * 8
+        # dx and dW through a kernel that leaves them untouched where the upstream gradient is exactly 1
+        scale_ = lambda t, s: scale_rows_(t, s) if t.dim() == 2 else t.mul_(s)
+        return (*scale_forward_grads(ctx, g.float(), scale_), None, None, None, None, None, None, None, None)
 
 
 def row_chunk_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss,

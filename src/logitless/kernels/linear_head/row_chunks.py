@@ -43,7 +43,7 @@ def _mm(out, a, b, bias=None, accumulate=False):
 
 def _split(V):
     # cuBLAS's bf16 products leave their fast path at a class count that is not a multiple of 8 (an odd vocabulary:
-    # 151655 or 50257 classes ran the three products 4-5 x slower, H200): the aligned classes, then the few left.
+    # docs/design/row_chunks.md): the aligned classes, then the few left.
     main = V // 8 * 8
     return [(0, main), (main, V)] if 0 < main < V else [(0, V)]
 
