@@ -441,7 +441,6 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
     V = w.shape[0]
     need_x, need_w, need_b = needs
     acc = acc_dtype(x.dtype)
-    dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
     dw = torch.empty_like(w) if need_w else None
     db = torch.empty_like(b) if need_b else None
     if n == 0 or V == 0:
@@ -449,7 +448,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
             dw.zero_()
         if db is not None:
             db.zero_()
-        return (dx.to(x.dtype) if need_x else None), dw, db
+        return (torch.zeros_like(x) if need_x else None), dw, db
     # Products of a multiple of ROW_BLOCK rows and HEAD_COLS classes, the input padded with zero rows whose
     # coefficients are 0 (their dL/dz is 0): each row's dx is the same whatever the batch (ROW_BLOCK).
     x_in, n_in = x, n
@@ -458,7 +457,7 @@ def head_backward(x, w, b, target, class_w, m, logs, coef, softcap, inv_temp, ne
         pad = lambda c, value=0.0: None if c is None else torch.nn.functional.pad(c, (0, n - n_in), value=value)
         A, B, C, E, At, m, logs = (pad(c) for c in (A, B, C, E, At, m, logs))
         target = pad(target, -1)
-        dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
+    dx = torch.zeros(n, D, device=x.device, dtype=acc) if need_x else None
     rows, cols = _block(n, V, B is not None or softcap is not None, item=acc.itemsize)
     rows, cols = fixed_block(rows * cols, V)
     one_block = rows >= n  # every token in each block: x is converted once, dW rows written by one product
