@@ -65,3 +65,13 @@ def tune():
 
     with contextlib.ExitStack() as stack:
         yield lambda **overrides: stack.enter_context(kernels.tuning(**overrides))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_skip_records():
+    """Each test starts with no record of whether skipping paid for a head: the records are keyed by the weight's
+    storage, which a later test's tensors may reuse."""
+    from logitless import skip_gate
+
+    skip_gate.forget()
+    yield

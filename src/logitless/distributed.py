@@ -373,7 +373,7 @@ _PG_DOC = """process_group: the ``torch.distributed`` group (or 1-D DeviceMesh) 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, backend="auto",
-                         skip_threshold=None, vocab_order="none", workspace_bytes=None, process_group,
+                         skip_threshold="auto", vocab_order="none", workspace_bytes=None, process_group,
                          vocab_start=None, vocab_size=None) -> torch.Tensor:
     """Vocabulary-parallel :func:`logitless.linear_cross_entropy`: the same loss as on one device over the
     concatenated shards, returned identically on every rank of ``process_group``.
@@ -409,7 +409,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
 
 
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,
-                     ignore_index=-100, return_entropy=False, backend="auto", skip_threshold=None,
+                     ignore_index=-100, return_entropy=False, backend="auto", skip_threshold="auto",
                      workspace_bytes=None, process_group, vocab_start=None, vocab_size=None):
     """Vocabulary-parallel :func:`logitless.linear_log_probs`: per-token log-probs (and entropy) of the full
     vocabulary, identical on every rank.

@@ -21,11 +21,13 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, torch_backend, triton_backend
+from . import _validate, skip_gate, torch_backend, triton_backend
 from ._dispatch import resolve_backend
+from ._validate import _is_compiling
+from .kernels import current_tuning
 from .loss_math import Stats
 
-__all__ = ["DEFAULT_SKIP_THRESHOLD", "HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_counts",
+__all__ = ["HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_counts", "resolve_skip",
            "running_class_counts", "stats"]
 
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
@@ -36,21 +38,21 @@ HALF_SKIP_THRESHOLD = 2.0**-12
 # row's gradient (docs/kernels.md, "Sparsity"; measured there against 1/8 and 1/2). Passed to the kernels as a
 # negative threshold (plans.row_budget).
 AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
-# What skip_threshold=None means: no skipping, for every dtype. Skipping is opt-in (docs/design/skipping.md): its
-# worst case is bounded but not by PyTorch's own error, and where nothing is cold (a softmax at initialisation) it
-# costs 15-18% of fwd+bwd (Triton products instead of cuBLAS's, no stash).
-DEFAULT_SKIP_THRESHOLD = 0.0
 
 
 class Skip(NamedTuple):
     """What the backward may skip: at most `threshold` of each row's probability mass (None or 0: nothing; "auto":
-    a budget per row from its largest logit, AUTO_SKIP_UNIT), with the
+    a budget per row from its largest logit, AUTO_SKIP_UNIT, where skip_gate finds that it pays), with the
     vocabulary ordered by `vocab_order` ("none", "batch": this batch's target counts, or a (V,) tensor of counts);
-    `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped then)."""
+    `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped then).
+    `resolved`: resolve_skip has decided this call (threshold None where it runs dense); `in_backward`: "auto"
+    left to the backward's own decision (torch.compile)."""
 
     threshold: float | str | None = None
     vocab_order: str | torch.Tensor = "none"
     bounded: bool = True
+    resolved: bool = False
+    in_backward: bool = False
 
 
 NO_SKIP = Skip()
@@ -65,36 +67,67 @@ def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
     return chosen
 
 
+def resolve_skip(skip: Skip, x, weight, bias, backend: str) -> Skip:
+    """This call's skipping, decided once on the host (no sync): `skip` with resolved=True and threshold None where
+    the call runs the dense plans. Nothing is skipped where the backend, the dtype (float32 has no "auto" budget),
+    the loss (`bounded`) or the call (no gradient wanted, no rows) leave nothing to skip; a fixed threshold skips
+    wherever it can; "auto" asks skip_gate whether skipping pays for this head, or under torch.compile leaves the
+    question to the backward (in_backward), so that the compiled graph never depends on the answer."""
+    if skip.resolved:
+        return skip
+    done = skip._replace(resolved=True)
+    if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
+        return done._replace(threshold=None)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not (backend == "triton" and grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
+            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)
+            and triton_backend.kernels().skip_supported(x)):
+        return done._replace(threshold=None)
+    if skip.threshold != "auto":
+        return done
+    if _is_compiling():
+        return done._replace(in_backward=True)
+    return done if skip_gate.decide(weight, min_share(x, weight)) else done._replace(threshold=None)
+
+
+def min_share(x, weight) -> float:
+    """The skipped share of pairs from which "auto" skipping pays against the dense plan the call would run
+    instead: higher where that is the row-chunk plan (its three cuBLAS products, bf16 at a width from
+    Tuning.row_chunk_min_d; eager only) than the column plan (Tuning's skip_min_share*)."""
+    tune = current_tuning()
+    wide = (x.dtype == torch.bfloat16 and x.shape[1] >= tune.row_chunk_min_d and tune.row_chunks is not False
+            and not _is_compiling())
+    return tune.skip_min_share_row_chunks if wide else tune.skip_min_share
+
+
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, backend: str,
           skip: Skip = NO_SKIP, ignore_index: int = -100, workspace_bytes: int | None = None,
           want_lse: bool = False) -> Stats:
     """The statistics of the head softcap(x W^T + b) * inv_temp on validated (N, D) / (V, D) inputs, through
     `backend` (choose_backend). target: (N,) int64 class ids or None (zt); a target outside [0, V) (ignored, or in
     another shard) has zt = 0. class_weight: (V,) or None, the w_j of sw. want_smooth / want_entropy: sw / ent
-    (None otherwise). skip and workspace_bytes shape the Triton backward (see the module docstring); ignore_index
-    only keeps ignored targets out of the "batch" vocabulary order. want_lse: the lse statistic, for a term whose
-    gradient must stay apart from logs' (the z-loss; loss_math's module docstring)."""
+    (None otherwise). skip (decided here by resolve_skip unless the caller did) and workspace_bytes shape the Triton
+    backward (see the module docstring); ignore_index only keeps ignored targets out of the "batch" vocabulary
+    order. want_lse: the lse statistic, for a term whose gradient must stay apart from logs' (the z-loss;
+    loss_math's module docstring)."""
     if backend == "triton" and weight.shape[0] > 0:
-        perm, want_tiles, tau = _skip_plan(x, weight, bias, target, skip, ignore_index, workspace_bytes)
+        skip = resolve_skip(skip, x, weight, bias, backend)
+        perm, want_tiles, tau = _skip_plan(x, weight, target, skip, ignore_index, workspace_bytes)
         return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
                                     want_entropy, perm=perm, want_tiles=want_tiles, skip_threshold=tau,
-                                    workspace_bytes=workspace_bytes, want_lse=want_lse)
+                                    workspace_bytes=workspace_bytes, want_lse=want_lse,
+                                    gate_in_backward=skip.in_backward)
     return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy,
                                want_lse)
 
 
-def _skip_plan(x, w, b, target, skip: Skip, ignore_index, workspace_bytes):
-    """(perm, want_tiles, threshold) for the Triton backend: tiles are recorded, and the vocabulary ordered, only
-    when the backward may skip (a positive threshold, a gradient to compute, a gradient whose error the skipped
-    probability mass bounds, tiles that allow it). The order depends on the backward's workspace_bytes."""
-    if skip.threshold == "auto":
-        tau = -AUTO_SKIP_UNIT.get(x.dtype, 0.0)
-    else:
-        tau = DEFAULT_SKIP_THRESHOLD if skip.threshold is None else float(skip.threshold)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
-    lh = triton_backend.kernels()
-    if not (tau != 0.0 and grads and skip.bounded and x.shape[0] > 0 and lh.skip_supported(x)):
+def _skip_plan(x, w, target, skip: Skip, ignore_index, workspace_bytes):
+    """(perm, want_tiles, threshold) for the Triton backend from a resolved skip: tiles are recorded, and the
+    vocabulary ordered, only when the backward may skip. The order depends on the backward's workspace_bytes."""
+    if skip.threshold is None:
         return None, False, 0.0
+    tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
+    lh = triton_backend.kernels()
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):
         perm = lh.vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)

@@ -17,10 +17,10 @@ import torch
 
 from . import _validate, distributed, head, loss_math, torch_backend, triton_backend
 from ._validate import check_workspace
-from .head import DEFAULT_SKIP_THRESHOLD, HALF_SKIP_THRESHOLD, class_counts
+from .head import HALF_SKIP_THRESHOLD, class_counts
 
 # Names of the skip option and helpers that callers import from here.
-__all__ = ["DEFAULT_SKIP_THRESHOLD", "HALF_SKIP_THRESHOLD", "check_workspace", "class_counts", "linear_cross_entropy"]
+__all__ = ["HALF_SKIP_THRESHOLD", "check_workspace", "class_counts", "linear_cross_entropy"]
 
 
 def linear_cross_entropy(
@@ -37,7 +37,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     backend: str = "auto",
     deterministic: bool = False,
-    skip_threshold: float | str | None = None,
+    skip_threshold: float | str | None = "auto",
     vocab_order: str | torch.Tensor = "none",
     workspace_bytes: int | None = None,
     process_group=None,
@@ -73,12 +73,15 @@ def linear_cross_entropy(
             at most that fraction times its coefficient (in L1 over the classes). ``"auto"``: for bfloat16 / float16
             inputs, each row's budget is a quarter of the rounding of its largest logit ``m`` to the dtype
             (``2**-11 * max(1, |m|)`` in bfloat16, ``2**-14 * max(1, |m|)`` in float16), the rounding that sets
-            PyTorch's own error in that gradient row; float32 inputs skip nothing. A float: that budget for every
-            row (``HALF_SKIP_THRESHOLD``, 2**-12, is the old fixed setting). ``None`` or 0 (default): nothing is
-            skipped. A tile holding a target is never skipped, and nothing is skipped with ``label_smoothing > 0``
-            or on the PyTorch path; with ``process_group``, each rank skips within its shard (its own largest logit
-            for ``"auto"``). Opt-in: on a trained model's softmax it makes the step 1.3-1.7 x faster, on a
-            near-uniform one (initialisation) it skips nothing and costs 15-18% (docs/kernels.md, "Sparsity").
+            PyTorch's own error in that gradient row; float32 inputs skip nothing. ``"auto"`` is the default, and
+            it skips only where it pays: each head (its weight) keeps skipping while its plans skip a large share of
+            the work, and runs the dense plans where its softmax is flat (a head at initialisation), probing again
+            at growing intervals; decided from earlier calls' plans without a host sync, and under torch.compile
+            inside the backward op (docs/design/skipping.md). A float: that budget for every row, skipping on every
+            call (``HALF_SKIP_THRESHOLD``, 2**-12, is a fixed setting). ``None`` or 0: nothing is skipped. A tile
+            holding a target is never skipped, and nothing is skipped with ``label_smoothing > 0`` or on the
+            PyTorch path; with ``process_group``, each rank skips within its shard (its own largest logit for
+            ``"auto"``).
         vocab_order: how the Triton path orders the vocabulary when it skips, so that frequent classes share
             tiles: "none" (default), "batch" (by the counts of this batch's targets), or a (V,) tensor of per-class
             counts (e.g. kept across steps; ``LinearCrossEntropyLoss(vocab_order="running")`` does that). The
@@ -141,6 +144,9 @@ def linear_cross_entropy(
             per_token = per_token + float(z_loss) * z * z
         loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, args.lead_shape)
         return loss.to(torch_backend.acc_dtype(args.x.dtype))
+    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
+    skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
+                             args.weight, args.bias, chosen)
     if chosen == "torch":
         # Training with a reduced loss: the gradients in the forward, three products instead of four.
         rows = torch_backend.fused_rows(args.x, args.weight, args.bias, softcap, reduction)
@@ -151,14 +157,13 @@ def linear_cross_entropy(
     else:
         # Training with a reduced loss, where the policy finds it faster within the budget: the gradients in the
         # forward over chunks of full rows of logits (three products; docs/design/row_chunks.md).
-        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, skip_threshold, vocab_order,
+        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, skip.threshold,
+                                             skip.vocab_order if skip.threshold is not None else "none",
                                              workspace_bytes)
         if plan is not None:
             return triton_backend.row_chunk_linear_cross_entropy(args.x, args.weight, args.bias, args.target,
                                                                  class_w, reduction, ignore_index, label_smoothing,
                                                                  z_loss, softcap, plan)
-    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
-    skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,
                     backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
                     want_lse=loss_math.z_loss_apart(z_loss, args.x, args.weight))

@@ -40,7 +40,7 @@ def linear_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: str = "auto",
-    skip_threshold: float | str | None = None,
+    skip_threshold: float | str | None = "auto",
     workspace_bytes: int | None = None,
     process_group=None,
 ):
@@ -53,8 +53,8 @@ def linear_log_probs(
         input: (..., D) float32, bfloat16 or float16; linear_weight: (V, D); target: (...) int64/int32.
         return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
         skip_threshold: as in :func:`logitless.linear_cross_entropy` (the Triton backward may skip cold tiles that
-            hold at most this fraction of a row's probability mass; default: no skipping); nothing is skipped with
-            ``return_entropy``.
+            hold at most this fraction of a row's probability mass; default ``"auto"``: where it pays, within a
+            quarter of the rounding of each row's largest logit); nothing is skipped with ``return_entropy``.
         workspace_bytes: memory the Triton backward may allocate, as in :func:`logitless.linear_cross_entropy`.
         process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
             :mod:`logitless.distributed`.

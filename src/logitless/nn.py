@@ -32,14 +32,14 @@ class _LossOptions(torch.nn.Module):
 class LinearCrossEntropyLoss(_LossOptions):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
     linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold``, ``vocab_order`` and
-    ``workspace_bytes`` are the function's (no skipping, the memory policy by default); ``vocab_order="running"``
-    orders the vocabulary by target counts kept across training steps (the ``vocab_counts`` buffer, decayed by 0.99
-    per step, updated on the device; in the state_dict from the first forward on, and a state without it loads as a
-    fresh module's)."""
+    ``workspace_bytes`` are the function's (skipping where it pays, the memory policy by default);
+    ``vocab_order="running"`` orders the vocabulary by target counts kept across training steps (the
+    ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device; in the state_dict from the first
+    forward on, and a state without it loads as a fresh module's)."""
 
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                 backend: str = "auto", skip_threshold: float | str | None = None, vocab_order: str = "none",
+                 backend: str = "auto", skip_threshold: float | str | None = "auto", vocab_order: str = "none",
                  workspace_bytes: int | None = None):
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from . import skip_gate
 from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
+from .kernels import current_tuning
 from .loss_math import Stats, head_coefficients
 
 
@@ -23,7 +25,8 @@ def kernels():
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
-                 "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx, bool want_lse) "
+                 "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx, bool want_lse, "
+                 "bool gate_skip) "
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
@@ -41,7 +44,7 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-              skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse):
+              skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
     backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
     the forward keeps logits for the backward (kernels/linear_head/plans.py, stash_layout; empty unless want_stash and
@@ -49,7 +52,8 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
     m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
     so its gradient is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold,
-    workspace_bytes and stash_dx (the backward computes the input's gradient) are for the backward. Last, with
+    workspace_bytes, stash_dx (the backward computes the input's gradient) and gate_skip (the backward asks
+    skip_gate whether to skip) are for the backward. Last, with
     want_lse, lse = m + logs as a statistic with a gradient of its own (loss_math's module docstring; else
     empty)."""
     lh = kernels()
@@ -74,7 +78,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
 
 @_stats_op.register_fake
 def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-      skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse):
+      skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
     tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float16)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
@@ -88,14 +92,19 @@ def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, wan
 _GRAD_ARGS = ("Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, Tensor m, Tensor logs, "
               "Tensor A, Tensor? B, Tensor? C, Tensor? E, float? softcap, float inv_temp, bool need_dx, "
               "bool need_dw, bool need_db, Tensor? perm, Tensor? tile_lse, float skip_threshold, "
-              "int? workspace_bytes, Tensor? At")
+              "int? workspace_bytes, Tensor? At, bool gate_skip")
 _GRAD_SCHEMA = f"({_GRAD_ARGS}) -> (Tensor, Tensor, Tensor)"
 
 
 def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-              need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash=None):
+              need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash=None):
     bias = None if bias is None else bias.contiguous()  # as in _stats_op
     extra = {} if stash is None else {"stash": stash}
+    if (gate_skip and tile_lse is not None and perm is None
+            and not skip_gate.decide(weight, current_tuning().skip_min_share)):
+        tile_lse = None  # the dense plans (the forward recorded the tiles for either answer)
+    if skip_threshold < 0:  # "auto": the plan's skipped share tells skip_gate whether skipping pays for this head
+        extra["on_plan"] = lambda plan: skip_gate.observe(weight, plan.hot)
     return kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
                                inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
                                tile_lse=tile_lse, skip_threshold=skip_threshold, workspace_bytes=workspace_bytes,
@@ -104,20 +113,20 @@ def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softca
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
 def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-             need_db, perm, tile_lse, skip_threshold, workspace_bytes, At):
+             need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
     """(dx, dW, db) for dL/dz_j = p_j (A + B (z_j - m)) - C [j == t] - E w_j (with At, the target's column
     p_t (At + B (z_t - m)) - C - E w_t: loss_math.head_coefficients); a gradient not asked for is empty.
     With tile_lse and skip_threshold > 0, cold (token block, tile) pairs are skipped
-    (kernels/linear_head/plans.py, skip_plan)."""
+    (kernels/linear_head/plans.py, skip_plan); with gate_skip, where skip_gate finds that skipping pays."""
     dx, dw, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
-                           need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At)
+                           need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip)
     # Outputs must not alias one another: a fresh empty tensor for each gradient not asked for.
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
 
 
 @_grad_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At):
+      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -127,17 +136,17 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 @torch.library.custom_op("logitless::linear_head_grad_into", mutates_args=("stash",),
                          schema=f"({_GRAD_ARGS}, Tensor(a!) stash) -> (Tensor, Tensor)")
 def _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
-                  need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash):
+                  need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
     """linear_head_grad with the forward's stash (need_dw set): dW is written into it (the logits it holds are
     used up); returns (dx, db), empty where not asked for. Eager backward only (stats, _stats_backward)."""
     dx, _, db = _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx,
-                          need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, stash)
+                          need_dw, need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash)
     return tuple(g if g is not None else x.new_empty(0) for g in (dx, db))
 
 
 @_grad_into_op.register_fake
 def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At, stash):
+      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, db
@@ -145,13 +154,13 @@ def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_t
 
 def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
-     ws, _want_stash, _stash_dx, want_lse) = inputs
+     ws, _want_stash, _stash_dx, want_lse, gate_skip) = inputs
     m, logs, zt, _, ent, tiles, stash, mu, rest, _lse = output
     has_rest = _has_rest(target, perm, want_entropy)
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
                           tiles if want_tiles and x.shape[0] != 0 else None, mu if has_rest and want_entropy else None,
                           rest if has_rest else None, zt if has_rest or (want_lse and target is not None) else None)
-    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse)
+    ctx.opts = (softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse, gate_skip)
     # The stash is not a saved tensor: the backward writes dW over it (a saved tensor's version check would fail)
     # and hands it on as the weight's gradient after dropping this reference, so that AccumulateGrad takes it over
     # without a copy. Non-differentiable, so it holds no reference back to this node.
@@ -163,11 +172,11 @@ def _stats_setup_context(ctx, inputs, output):
 
 def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g_mu, _g_rest, g_lse):
     x, weight, bias, target, class_weight, m, logs, ent, perm, tiles, mu, rest, zt = ctx.saved_tensors
-    softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse = ctx.opts
+    softcap, inv_temp, want_smooth, want_entropy, tau, ws, want_lse, gate_skip = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
-        return (None,) * 16
+        return (None,) * 17
     A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                        g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest,
                                        zt, g_lse if want_lse else None)
@@ -178,12 +187,12 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g
     stash, ctx.stash = ctx.stash, None
     if stash is not None and not torch.is_grad_enabled() and need_dw and not graph_kept():
         dx, db = _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                               need_dx, need_dw, need_db, perm, tiles, tau, ws, At, stash)
+                               need_dx, need_dw, need_db, perm, tiles, tau, ws, At, gate_skip, stash)
         dw = stash
     else:
         dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
-                              need_dx, need_dw, need_db, perm, tiles, tau, ws, At)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 13
+                              need_dx, need_dw, need_db, perm, tiles, tau, ws, At, gate_skip)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 14
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
@@ -193,10 +202,12 @@ torch.library.register_autograd("logitless::linear_head_grad", no_double_backwar
 
 
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, perm=None,
-          want_tiles=False, skip_threshold=0.0, workspace_bytes=None, want_lse=False) -> Stats:
+          want_tiles=False, skip_threshold=0.0, workspace_bytes=None, want_lse=False,
+          gate_in_backward=False) -> Stats:
     """The head op's statistics through the kernels (differentiable; float32, bfloat16 or float16 inputs of one
     dtype, at least one class); perm / want_tiles / skip_threshold from head.skip_plan; workspace_bytes for the
-    backward (None: the memory policy); want_lse: the lse statistic (loss_math's module docstring)."""
+    backward (None: the memory policy); want_lse: the lse statistic (loss_math's module docstring);
+    gate_in_backward: the backward asks skip_gate whether to use the tiles (torch.compile's "auto")."""
     cw = None if class_weight is None else class_weight.float().contiguous()
     # The forward keeps logits for the backward in the weight gradient's buffer where it has room (kernels.Tuning's
     # stash_logits; the layout: kernels/linear_head/plans.py): not when tracing for torch.compile, whose backward
@@ -206,7 +217,7 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
                   and not torch.compiler.is_compiling())
     out = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap), float(inv_temp),
                     bool(want_smooth), bool(want_entropy), perm, bool(want_tiles), float(skip_threshold),
-                    workspace_bytes, want_stash, x.requires_grad, bool(want_lse))
+                    workspace_bytes, want_stash, x.requires_grad, bool(want_lse), bool(gate_in_backward))
     m, logs, zt, sw, ent = out[:5]
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
                  ent if want_entropy else None, out[9] if want_lse else None)

@@ -189,22 +189,44 @@ def _logitless_workspace() -> Provider:
     )
 
 
-def _logitless_skip() -> Provider:
+def _logitless_dense() -> Provider:
     import logitless
 
     base = _logitless("triton")
 
     def train():
-        return lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold="auto")
+        return lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold=None)
 
     def logprobs():
-        return lambda x, w, t: logitless.linear_log_probs(x, w, t, backend="triton", skip_threshold="auto")
+        return lambda x, w, t: logitless.linear_log_probs(x, w, t, backend="triton", skip_threshold=None)
+
+    return Provider(
+        name="logitless-triton-dense",
+        description="logitless, backend='triton', skip_threshold=None (no skipping: the dense plans only)",
+        jobs={"train": train, "logprobs": logprobs}, unavailable=base.unavailable, cpu_default=False,
+        version=base.version,
+    )
+
+
+def _logitless_always_skip() -> Provider:
+    import logitless
+    from logitless import kernels
+
+    base = _logitless("triton")
+
+    def always(fn):
+        def call(x, w, t):
+            with kernels.tuning(skip_min_share=0.0):  # the forward decides: the backward follows it
+                return fn(x, w, t, backend="triton")
+        return call
 
     return Provider(
         name="logitless-triton-skip",
-        description="logitless, backend='triton', skip_threshold='auto' (cold tiles of the backward skipped)",
-        jobs={"train": train, "logprobs": logprobs}, unavailable=base.unavailable, cpu_default=False,
-        version=base.version,
+        description="logitless, backend='triton', skipping on every call (the default's budget with "
+                    "Tuning.skip_min_share=0: the skipping plan however little it skips)",
+        jobs={"train": lambda: always(logitless.linear_cross_entropy),
+              "logprobs": lambda: always(logitless.linear_log_probs)},
+        unavailable=base.unavailable, cpu_default=False, gpu_default=False, version=base.version,
     )
 
 
@@ -303,7 +325,8 @@ def _registry() -> list[Provider]:
     return [
         _logitless("triton"),
         _logitless_workspace(),
-        _logitless_skip(),
+        _logitless_dense(),
+        _logitless_always_skip(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
                  {job: functools.partial(lambda j: _EAGER[j], job) for job in _EAGER},

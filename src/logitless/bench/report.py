@@ -33,15 +33,16 @@ def _row(r: Result, phase: str, first: bool) -> list[str]:
     pr = r.phases.get(phase)
     head = [r.provider if first else "", _check_cell(r) if first else "", phase]
     if pr is None:
-        return head + ["-"] * 7
+        return head + ["-"] * 8
     if pr.status != "ok":
-        return head + [STATUS_SHORT.get(pr.status, pr.status)] + ["-"] * 6
+        return head + [STATUS_SHORT.get(pr.status, pr.status)] + ["-"] * 7
     split = phase == "fwd+bwd"
     fwd, bwd = (_num(pr.fwd_ms), _num(pr.bwd_ms)) if split else ("-", "-")
     if split and pr.grads_in_forward:
         fwd, bwd = fwd + FOLDED_MARK, bwd + FOLDED_MARK
+    skipped = "-" if math.isnan(pr.skipped) else f"{100 * pr.skipped:.0f}%"
     return head + [_num(pr.total_ms), fwd, bwd,
-                   _num(pr.x_ours), _num(pr.x_floor), _num(C.mib(pr.peak_bytes)), _num(pr.rate)]
+                   _num(pr.x_ours), _num(pr.x_floor), _num(C.mib(pr.peak_bytes)), _num(pr.rate), skipped]
 
 
 FOLDED_MARK = "*"
@@ -70,7 +71,7 @@ def tables(run: Run, markdown: bool = False) -> str:
     for case in seen:
         rows = [r for r in run.results if r.case == case]
         header = ["provider", "check", "phase", "ms", "fwd ms", "bwd ms", "x ours", "x floor", "peak MiB",
-                  "GB/s" if case.job == "ce" else "TFLOP/s"]
+                  "GB/s" if case.job == "ce" else "TFLOP/s", "skipped"]
         body = [_row(r, phase, k == 0) for r in rows for k, phase in enumerate(C.PHASES[case.job])]
         title = case.label
         if case in run.case_notes:
@@ -126,7 +127,7 @@ def _records(run: Run):
                    "peak_mib": C.mib(pr.peak_bytes),
                    "tflops": pr.rate if r.case.job != "ce" else math.nan,
                    "gbps": pr.rate if r.case.job == "ce" else math.nan,
-                   "x_ours": pr.x_ours, "x_floor": pr.x_floor}
+                   "x_ours": pr.x_ours, "x_floor": pr.x_floor, "skipped_share": pr.skipped}
         if not r.phases:
             yield {**base, "phase": "", "phase_status": "", "phase_error": ""}
 
@@ -155,7 +156,8 @@ def write_json(run: Run, meta: dict, path: str, opener=open) -> None:
 
 
 CSV_FIELDS = ["job", "shape", "N", "D", "V", "dtype", "data", "provider", "status", "phase", "phase_status",
-              "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor", "wall_s",
+              "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor",
+              "skipped_share", "wall_s",
               "error", "phase_error"]
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import skip_gate
 from . import cases as C
 from .check import Comparison, Reference
 from .measure import TooSlow, peak_extra_bytes, time_step, warm_up
@@ -52,6 +53,9 @@ class PhaseResult:
     x_ours: float = math.nan
     x_floor: float = math.nan
     grads_in_forward: bool = False  # the provider's forward computed the gradients (its "bwd" only hands them over)
+    # Share of the (token block, tile) pairs the last skipping plan of the timed calls skipped (logitless's
+    # skip_threshold; NaN where no plan was made: the dense plans, or a peer).
+    skipped: float = math.nan
 
 
 @dataclass
@@ -218,6 +222,7 @@ def _run_phase(p: Provider, case: C.Case, inp: C.Inputs, phase: str, opts: Optio
                 inp.logits.copy_(inp.pristine)
 
     out = PhaseResult(phase, "ok")
+    skip_gate.forget()  # each provider finds for itself whether skipping pays on this data
     try:
         with torch.set_grad_enabled(grad):
             step = p.step(case.job, inp, grad)
@@ -227,6 +232,8 @@ def _run_phase(p: Provider, case: C.Case, inp: C.Inputs, phase: str, opts: Optio
             t = time_step(step, prepare, opts.device, est_s=est, budget_s=opts.budget_s, min_reps=opts.min_reps,
                           max_reps=opts.max_reps)
         out.total_ms, out.fwd_ms, out.bwd_ms, out.reps = t.total_ms, t.fwd_ms, t.bwd_ms, t.reps
+        share = skip_gate.last_share(inp.w) if inp.w is not None else None
+        out.skipped = math.nan if share is None else share
         if case.job == "ce":
             out.rate = C.min_bytes(case.job, phase, case.shape, case.dtype) / (t.total_ms * 1e-3) / 1e9
         else:

@@ -296,7 +296,7 @@ def patch(
     ignore_index: int = -100,
     backend: str = "auto",
     workspace_bytes: int | None = None,
-    skip_threshold: float | str | None = None,
+    skip_threshold: float | str | None = "auto",
     vocab_order: VocabOrder | None = None,
 ) -> nn.Module:
     """Make this causal-LM instance compute its training loss with ``linear_cross_entropy``, never building logits.
@@ -317,7 +317,8 @@ def patch(
         backend: "auto", "triton" or "torch", as in ``linear_cross_entropy``.
         workspace_bytes: memory the Triton backward may allocate, as in ``linear_cross_entropy`` (None: the
             memory policy's budget).
-        skip_threshold: as in ``linear_cross_entropy`` (None: no skipping; "auto" for a trained model's softmax).
+        skip_threshold: as in ``linear_cross_entropy`` (default "auto": skipping cold tiles of the backward where
+            it pays; None: no skipping).
         vocab_order: a :class:`logitless.VocabOrder` of the model's vocabulary: the head's rows (and a tied input
             embedding's, which are the same parameter) are stored in that order from now on, so the skipping
             backward finds whole tiles cold. The model stays the same function: input ids and labels are mapped to

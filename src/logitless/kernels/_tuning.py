@@ -90,6 +90,17 @@ class Tuning:
     skip_dx_split: int = 4
     # ... where at most this percentage of the plan's pairs is hot (decided on the device, no host sync).
     skip_dx_deal_pct: float = 15.0
+    # skip_threshold="auto" (the default) skips for a head while its plans skip at least this share of the
+    # (token block, tile) pairs, and runs the dense plans otherwise (skip_gate). The break-even share is lower where
+    # the dense alternative is the column plan than where it is the row-chunk plan (three cuBLAS products, bf16 at
+    # D >= row_chunk_min_d): skip_min_share_row_chunks (docs/design/skipping.md). 0 skips wherever a plan is
+    # possible (tests, A/B runs).
+    skip_min_share: float = 0.3
+    skip_min_share_row_chunks: float = 0.5
+    # ... a head found dense probes again after this many calls, the interval doubling after each dense finding up
+    # to skip_probe_max.
+    skip_probe_every: int = 8
+    skip_probe_max: int = 1024
 
     # --- the two-head kernels (kernels/two_heads)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.

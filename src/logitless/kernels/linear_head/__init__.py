@@ -14,7 +14,7 @@ bfloat16 or float16), b (V,) or None, class weights (V,) float32 or None. Stride
            mu_rest, a (2, N) float32 buffer (entropy and target), receives
            mu = sum_j p_j (z_j - m) and rest = sum_{j != target} exp(z_j - m), for the entropy's backward.
     backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None)
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None, on_plan=None)
         -> (dx | None, dw | None, db | None), in the dtypes of x, W and b, for the per-row float32 coefficients of
            dL/dz_j = p_j (A + B (z_j - m)) - C [j == target] - E w_j  (B, C, E may be None: that term is absent);
            with At (and C), the target's column is p_t (At + B (z_t - m)) - C - E w_t instead.

@@ -91,7 +91,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
 
 
 def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp, need_dx, need_dw, need_db,
-             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None):
+             perm=None, tile_lse=None, skip_threshold=0.0, workspace_bytes=None, stash=None, At=None, on_plan=None):
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the package docstring.
     At (with C): the target's column is p_t (At + B (z_t - m)) - C - E w_t (loss_math.head_coefficients).
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
@@ -99,7 +99,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     alone). workspace_bytes: what the workspaces may take beyond O(N) (plans._workspace; None: the default policy,
     plans.default_budget).
     stash: the buffer the forward kept logits in (forward_stats(stash=...), its layout from stash_layout with this
-    need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up."""
+    need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up.
+    on_plan: called with the SkipPlan where the backward makes one (the skipping gate's record)."""
     N, D = x.shape
     V = w.shape[0]
     need_db = bool(need_db and b is not None)
@@ -123,6 +124,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         sink = current_tuning().debug_plans
         if sink is not None:
             sink.append(sp)
+        if on_plan is not None:
+            on_plan(sp)
     rows = None if sp is None else sp.rows
     dx_split = 1
     if sp is not None and perm is None:

@@ -88,13 +88,14 @@ _HOT_FRACTION = 2.0**-6
 _PLAN_ROWS = 4096
 
 
-def row_budget(m: torch.Tensor, threshold: float) -> torch.Tensor:
+def row_budget(m: torch.Tensor, logs: torch.Tensor, threshold: float) -> torch.Tensor:
     """(N,) float32 mass each row may lose: threshold > 0 for every row; threshold < 0 scales |threshold| by the
-    row's logit magnitude max(1, |m_i|) (the rounding of a logit of that size to the input dtype is what sets
-    PyTorch's own error in the row's gradient: docs/kernels.md, "Sparsity")."""
+    row's logit magnitude max(1, |m_i|) and by its mass outside its top class, 1 - exp(-logs_i): the rounding of a
+    logit of that size to the input dtype moves each p_ij by about that relative amount, and the L1 norm of the
+    row's gradient, hence PyTorch's own error in it, scales with that mass (docs/kernels.md, "Sparsity")."""
     if threshold > 0:
         return torch.full_like(m, threshold)
-    return m.abs().clamp(min=1.0) * -threshold
+    return (m.abs().clamp(min=1.0) * -threshold * -torch.expm1(-logs)).clamp_(min=1e-30)
 
 
 def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True) -> SkipPlan:
@@ -112,7 +113,7 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     B = cdiv(N, block_n)
     dev = m.device
     lse = m + logs
-    tau = row_budget(m, threshold)
+    tau = row_budget(m, logs, threshold)
     # r_it / tau_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows with A = 0. The exponent is widened by the float16
     # rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).

@@ -1,0 +1,143 @@
+"""The default skip_threshold="auto": skipping where it pays for a head, the dense plans where its softmax is flat,
+decided from earlier calls' plans (logitless.skip_gate) without a host sync, and under torch.compile without a
+recompilation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import logitless
+from logitless import skip_gate
+from logitless.kernels.linear_head import configs as lh_configs
+from tests.helpers import assert_within_rule
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def plans(tune):
+    """The skip plans the backward makes (one per skipping call), with the interpreter's small tiles."""
+    made = []
+    tune(linear_config=lh_configs.interpreter_config(), debug_plans=made, skip_probe_every=2, skip_probe_max=4)
+    return made
+
+
+def peaked_head(n=64, d=24, v=300, dtype=torch.bfloat16, seed=0, confident=False):
+    """A trained model's kind of softmax: each row's mass on two classes of the first tile (one with `confident`),
+    every other class ~e^-16 of it, so whole tiles are cold."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g) * (0.3 / d**0.5)
+    w[:4] = torch.eye(4, d)
+    x = torch.randn(n, d, generator=g) * 0.1
+    pick = torch.randint(0, 4, (n,), generator=g)
+    x[torch.arange(n), pick] += 20.0 if confident else 16.0
+    if not confident:
+        x[torch.arange(n), (pick + 1) % 4] += 16.0
+    return x.to(DEV, dtype), w.to(DEV, dtype), pick.to(DEV)
+
+
+def flat_head(n=64, d=24, v=300, dtype=torch.bfloat16, seed=1):
+    """A head at initialisation: a near-uniform softmax, nothing cold."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) * 0.02
+    return x.to(DEV, dtype), w.to(DEV, dtype), torch.randint(0, v, (n,), generator=g).to(DEV)
+
+
+def step(x, w, t, **kw):
+    xg, wg = x.clone().requires_grad_(), w.requires_grad_()
+    loss = logitless.linear_cross_entropy(xg, wg, t, backend="triton", **kw)
+    loss.backward()
+    return loss, xg.grad, w.grad
+
+
+def test_default_skips_a_peaked_head_and_stays_within_the_rule(plans):
+    x, w, t = peaked_head()
+    for _ in range(3):
+        w.grad = None
+        loss, dx, dw = step(x, w, t)
+    assert len(plans) == 2  # the first call runs dense, the second probes, the third keeps skipping
+    share = 1.0 - plans[-1].hot.float().mean().item()
+    assert share > 0.5 and skip_gate.state(w) == "skip"
+    # within the rule, against float64 and PyTorch's own bf16
+    ref = [a.detach().double().requires_grad_() for a in (x, w)]
+    pt = [a.detach().clone().requires_grad_() for a in (x, w)]
+    for xs, ws, out in ((ref[0], ref[1], "f64"), (pt[0], pt[1], "torch")):
+        lo = torch.nn.functional.cross_entropy((xs @ ws.T).float() if out == "torch" else xs @ ws.T, t)
+        lo.backward()
+    assert_within_rule("loss", loss, torch.nn.functional.cross_entropy((pt[0] @ pt[1].T).float(), t),
+                       torch.nn.functional.cross_entropy(ref[0] @ ref[1].T, t))
+    assert_within_rule("d_input", dx, pt[0].grad, ref[0].grad)
+    assert_within_rule("d_weight", dw, pt[1].grad, ref[1].grad)
+
+
+def test_a_near_certain_batch_keeps_its_gradient(plans):
+    # Every row ~1 - 2e-6 sure of its target: the whole gradient is the cold classes' mass, and PyTorch's error in it
+    # is relative to that mass, so the budget (scaled by each row's mass outside its top class) skips nothing.
+    x, w, t = peaked_head(confident=True)
+    for _ in range(2):
+        w.grad = None
+        step(x, w, t)
+    assert len(plans) == 1 and bool(plans[0].hot.all())
+
+
+def test_default_runs_dense_on_a_flat_head_and_probes_at_growing_intervals(plans):
+    x, w, t = flat_head()
+    skipped = []
+    for _ in range(12):
+        n = len(plans)
+        w.grad = None
+        step(x, w, t)
+        skipped.append(len(plans) > n)
+    # call 1 dense, call 2 probes (nothing cold); then a probe after 2 calls, then after 4 (skip_probe_max)
+    assert skipped == [False, True, False, True, False, False, False, True, False, False, False, True]
+    assert all(bool(p.hot.all()) for p in plans) and skip_gate.state(w) == "dense"
+
+
+def test_the_dense_answer_matches_the_explicit_dense_call(plans):
+    x, w, t = flat_head()
+    for _ in range(3):  # dense, the probe, then the dense plans
+        w.grad = None
+        loss, dx, dw = step(x, w, t)
+    w2 = w.detach().clone()
+    loss2, dx2, dw2 = step(x, w2, t, skip_threshold=None)
+    assert torch.equal(loss, loss2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
+def test_a_fixed_threshold_skips_every_call_and_float32_never(plans):
+    x, w, t = flat_head()
+    for _ in range(3):
+        w.grad = None
+        step(x, w, t, skip_threshold=2.0**-12)
+    assert len(plans) == 3
+    x, w, t = peaked_head(dtype=torch.float32)
+    for _ in range(3):
+        w.grad = None
+        step(x, w, t)
+    assert len(plans) == 3  # float32 has no "auto" budget
+
+
+def test_skip_off_and_other_losses(plans):
+    x, w, t = peaked_head()
+    for _ in range(3):
+        w.grad = None
+        step(x, w, t, skip_threshold=None)
+        step(x, w, t, label_smoothing=0.1)  # its gradient error is not bounded by the skipped mass
+    assert plans == []
+
+
+def test_under_compile_the_backward_decides_without_recompiling(plans):
+    torch._dynamo.reset()
+    x, w, t = flat_head()
+    fn = torch.compile(lambda a, b, c: logitless.linear_cross_entropy(a, b, c, backend="triton"),
+                       backend="aot_eager", fullgraph=True)
+    skipped = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(5):
+            n = len(plans)
+            w.grad = None
+            xg = x.clone().requires_grad_()
+            fn(xg, w.requires_grad_(), t).backward()
+            skipped.append(len(plans) > n)
+    assert skipped == [False, True, False, True, False]
+    torch._dynamo.reset()
