@@ -181,7 +181,7 @@ def test_deepcopy_of_a_patched_model_sorts_its_own_rows():
     list(_steps(model, _optimizer(model), _batches(2), 1))
     twin = copy.deepcopy(model)
     a, b = model.forward.args[1].sorter, twin.forward.args[1].sorter
-    assert b is not a and b.weight is twin.lm_head.weight and sorted_head._HEADS[twin.lm_head.weight] is b
+    assert b is not a and b.weight is twin.lm_head.weight and sorted_head._HEADS[twin.lm_head.weight]() is b
     list(_steps(twin, _optimizer(twin), _batches(2), 1))
     assert b.version == 2 and a.version == 1
     logitless.unpatch(twin)

@@ -41,15 +41,18 @@ SAMPLE_ROWS = 1024
 DECAY = 0.5  # weight of the mass kept from earlier refreshes
 _BLOCK = 1 << 24  # logits per block of the mass pass (64 MiB in float32), never rows x V for a large V
 
-# Parameter -> the SortedHead that stores it; read by the optimizer step pre-hook.
+# Parameter -> a weak reference to the SortedHead that stores it, read by the optimizer step pre-hook. Weak both
+# ways (the head holds the parameter): a model dropped without unpatch is freed with its head.
 _HEADS = WeakIdKeyDictionary()  # keyed by identity: tensors compare elementwise
 _STEP_HOOK = None
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
     """Global step pre-hook: the state of a sorted parameter is moved to the order the parameter is in now."""
-    for p, head in list(_HEADS.items()):
-        head._sync_state(optimizer, p)
+    for p, ref in list(_HEADS.items()):
+        head = ref()
+        if head is not None:
+            head._sync_state(optimizer, p)
 
 
 def _install_step_hook():
@@ -107,7 +110,7 @@ class SortedHead:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         for p in (weight, bias):
-            if p is not None and p in _HEADS:
+            if p is not None and p in _HEADS and _HEADS[p]() is not None:
                 raise ValueError("this parameter is already stored by a SortedHead; restore() that one first")
         self.weight, self.bias = weight, bias
         self.learn = order is None
@@ -158,7 +161,7 @@ class SortedHead:
 
     def _register(self):
         for p in self._params():
-            _HEADS[p] = self
+            _HEADS[p] = weakref.ref(self)
         _install_step_hook()
 
     # ------------------------------------------------------------------ what the training loop calls
@@ -274,7 +277,7 @@ class SortedHead:
         self._handles, self._opt_handles = [], []
         self._pending, self._restored = None, True
         for p in self._params():
-            if _HEADS.get(p) is self:
+            if p in _HEADS and _HEADS[p]() is self:
                 del _HEADS[p]
         _remove_step_hook_if_unused()
 
