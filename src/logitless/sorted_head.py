@@ -253,7 +253,6 @@ class SortedHead:
         """Store the rows in `new_ids` order (position k holds class new_ids[k]), in place."""
         rel = self.positions[new_ids]  # where each class of the new order sits now
         for p in self._params():
-            # copy_ bumps the version counter: a graph that saved the old rows refuses to run backward.
             p.copy_(p.index_select(0, rel))
             if p.grad is not None:
                 p.grad.copy_(p.grad.index_select(0, rel))
