@@ -240,3 +240,21 @@ def test_options():
     logitless.unpatch(model)
     with pytest.raises(ValueError, match="bias"):
         logitless.SortedHead(model.lm_head.weight, torch.zeros(3))
+
+
+def test_compiled_model_takes_new_orders_without_recompiling():
+    # torch.compile (the eager backend: dynamo's guards without a code generator) graph-breaks at the order's
+    # maintenance; new orders change tensors in place and host integers dynamo does not read, so nothing recompiles.
+    import torch._dynamo
+
+    batches, stock = _stock_runs(tied=True, accumulate=1, n=4)
+    model = logitless.patch(copy.deepcopy(_base(True)))
+    compiled = torch.compile(model, backend="eager")
+    opt = _optimizer(model)
+    steps = _steps(compiled, opt, batches, 1)
+    next(steps)  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        rest = list(steps)
+    assert model.forward.args[1].sorter.version == 2
+    ours = {k.removeprefix("_orig_mod."): v for k, v in rest[-1].items()}
+    _check("compiled", ours, stock[torch.float32][-1], stock[torch.float64][-1])
