@@ -287,7 +287,9 @@ class SortedHead:
         if not any(p is self.weight for _, p in names):
             raise ValueError(f"module {type(module).__name__} does not hold the head's weight")
         post = functools.partial(_state_dict_in_class_order, self, tuple(names))
-        self._handles.append(module.register_state_dict_post_hook(post))
+        # The public post-hook (in-place edits only) where this torch has it; the older private one otherwise.
+        register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
+        self._handles.append(register(post))
         pre = functools.partial(_load_in_stored_order, self, tuple(names))
         self._handles.append(module.register_load_state_dict_pre_hook(pre))
         for sub in module.modules():  # a tied input embedding: its rows are the head's

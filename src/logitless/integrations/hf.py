@@ -13,6 +13,8 @@ The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
   - the logit transform the model's forward applies (a final softcap, a logit scale that multiplies or divides, a
     scale of the hidden states before the head) is applied too, as ``heads`` finds it per model type;
   - tied embeddings work unchanged (the head's weight is the embedding's parameter).
+While patched, the head's rows are stored in a softmax-mass order learned from the training forwards (``vocab_order``,
+``logitless.SortedHead``), for the skipping backward; inputs, labels, logits and state dicts stay in class order.
 The backbone, the head and the logit transform come from ``heads`` (shared with ``logitless score``), and models
 whose forward does something this cannot reproduce are refused at ``patch`` time with an error that says why.
 """
