@@ -6,6 +6,7 @@ from .integrations.hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs, linear_logsumexp
 from .nn import CrossEntropyLoss, LinearCrossEntropyLoss
+from .sorted_head import SortedHead
 from .vocab import VocabOrder
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CrossEntropyLoss",
     "LinearCrossEntropyLoss",
+    "SortedHead",
     "VocabOrder",
     "cross_entropy",
     "linear_cross_entropy",

@@ -13,6 +13,8 @@ The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
   - the logit transform the model's forward applies (a final softcap, a logit scale that multiplies or divides, a
     scale of the hidden states before the head) is applied too, as ``heads`` finds it per model type;
   - tied embeddings work unchanged (the head's weight is the embedding's parameter).
+While patched, the head's rows are stored in a softmax-mass order learned from the training forwards (``vocab_order``,
+``logitless.SortedHead``), for the skipping backward; inputs, labels, logits and state dicts stay in class order.
 The backbone, the head and the logit transform come from ``heads`` (shared with ``logitless score``), and models
 whose forward does something this cannot reproduce are refused at ``patch`` time with an error that says why.
 """
@@ -32,6 +34,7 @@ from torch import nn
 from .. import _validate
 from .._dispatch import BACKENDS
 from ..linear_cross_entropy import check_workspace, linear_cross_entropy
+from ..sorted_head import SortedHead
 from ..vocab import VocabOrder
 from . import heads
 
@@ -69,10 +72,13 @@ class _Plan:
     checks_router_logits: bool
     output_cls: type
     options: dict
-    # With a vocabulary order: the order (on the head's device) and the hook that maps input ids to positions (a
-    # tied embedding); removed, and the head put back in class order, by unpatch.
-    vocab_order: Any = None
-    hooks: tuple = ()
+    # The head stored in a vocabulary order (learned or fixed), None in class order; restored by unpatch.
+    sorter: SortedHead | None = None
+
+    @property
+    def vocab_order(self) -> VocabOrder | None:
+        """The order the head is stored in now (its tables change in place when a learned order is applied)."""
+        return None if self.sorter is None else self.sorter.order
 
 
 def _find_backbone(model: nn.Module) -> nn.Module:
@@ -195,6 +201,9 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
             "the fused forward does not add; call it without, or unpatch the model"
         )
 
+    sorter = plan.sorter
+    if sorter is not None:
+        sorter.prepare()  # before the backbone: a tied embedding reads the rows too
     backbone = _find_backbone(model)
     if plan.backbone_return_dict:
         call["return_dict"] = True
@@ -206,8 +215,6 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         # Position i predicts token i + 1; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.to(hidden.device).reshape(-1)
-    if plan.vocab_order is not None:
-        target = plan.vocab_order.map_ids(target)
     x = hidden.reshape(-1, hidden.shape[-1])
     if x.shape[0] != target.shape[0]:
         raise ValueError(
@@ -218,6 +225,8 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     head = _find_head(model)
     weight = head.weight
     x, bias, softcap = heads.transform_of(config, plan.transform_rules).for_loss(x, head.bias)
+    if sorter is not None:
+        target = sorter.targets(x, target, linear_bias=bias, softcap=softcap, ignore_index=ignore_index)
 
     lce = functools.partial(
         linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
@@ -297,7 +306,7 @@ def patch(
     backend: str = "auto",
     workspace_bytes: int | None = None,
     skip_threshold: float | str | None = "auto",
-    vocab_order: VocabOrder | None = None,
+    vocab_order: VocabOrder | str | None = "learn",
 ) -> nn.Module:
     """Make this causal-LM instance compute its training loss with ``linear_cross_entropy``, never building logits.
 
@@ -319,12 +328,17 @@ def patch(
             memory policy's budget).
         skip_threshold: as in ``linear_cross_entropy`` (default "auto": skipping cold tiles of the backward where
             it pays; None: no skipping).
-        vocab_order: a :class:`logitless.VocabOrder` of the model's vocabulary: the head's rows (and a tied input
-            embedding's, which are the same parameter) are stored in that order from now on, so the skipping
-            backward finds whole tiles cold. The model stays the same function: input ids and labels are mapped to
-            positions inside, and logits the unpatched forward returns (eval, generation) come back in class order.
-            Patch before building the optimizer (its state follows the parameters' elements), and unpatch, which
-            puts the rows back in class order, before saving the weights.
+        vocab_order: the order the head's rows are stored in while patched, for the skipping backward
+            (``skip_threshold``), which finds whole tiles cold when they are stored by softmax mass. "learn" (the
+            default): the order is learned from the training forwards' hidden states and applied on a schedule
+            (the first after the first training forward, then after forwards 16, 32, 64, ..., 1024 and every
+            1024th); a :class:`logitless.VocabOrder`: that order, fixed; None or "none": class order, as the
+            stock model. In either stored order the model stays the same function of class ids: input ids (tied
+            embedding) and labels are mapped to positions inside, logits come back in class order, and
+            ``state_dict()``/``load_state_dict()`` and every optimizer's ``state_dict()`` see class order; the
+            optimizer's state is permuted with the rows whether it was built before or after ``patch``. Only
+            ``model.lm_head.weight`` (and its ``.grad``) read directly show the stored order. ``logitless.SortedHead``
+            does it, see there.
 
     Returns:
         ``model`` itself.
@@ -335,8 +349,13 @@ def patch(
     _validate.check_options(label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index)
     check_workspace(workspace_bytes)
     _validate.check_skip_options(skip_threshold, "none", None, None)
-    if vocab_order is not None and not isinstance(vocab_order, VocabOrder):
-        raise TypeError(f"vocab_order must be a logitless.VocabOrder, got {type(vocab_order).__name__}")
+    if isinstance(vocab_order, str):
+        if vocab_order not in ("learn", "none"):
+            raise ValueError(f"vocab_order must be 'learn', 'none', None or a logitless.VocabOrder, got "
+                             f"{vocab_order!r}")
+    elif vocab_order is not None and not isinstance(vocab_order, VocabOrder):
+        raise TypeError(f"vocab_order must be 'learn', 'none', None or a logitless.VocabOrder, got "
+                        f"{type(vocab_order).__name__}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, nn.Module):
@@ -346,8 +365,8 @@ def patch(
     options = dict(z_loss=float(z_loss), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
                    backend=backend, workspace_bytes=workspace_bytes, skip_threshold=skip_threshold)
     plan = _make_plan(model, options)
-    if vocab_order is not None:
-        _store_in_order(model, plan, vocab_order)
+    if vocab_order is not None and vocab_order != "none":
+        _store_in_order(model, plan, None if vocab_order == "learn" else vocab_order)
     # A partial rather than a closure or a bound method: copy.deepcopy (TRL's reference model, EMA copies) then gives
     # the copy a forward bound to the copy and its own plan.
     forward = functools.partial(_patched_forward, model, plan)
@@ -371,34 +390,15 @@ def unpatch(model: nn.Module) -> nn.Module:
         model.forward = plan.prior_forward
     else:
         del model.forward
-    if plan.vocab_order is not None:
-        for h in plan.hooks:
-            h.remove()
-        head = _find_head(model)
-        with torch.no_grad():
-            head.weight.data = plan.vocab_order.unsort(head.weight.data)
-            if head.bias is not None:
-                head.bias.data = plan.vocab_order.unsort(head.bias.data)
+    if plan.sorter is not None:
+        plan.sorter.restore()
     return model
 
 
-def _store_in_order(model: nn.Module, plan: _Plan, order: VocabOrder) -> None:
-    """Permute the head's rows into `order` and install the hooks that keep the model the same function."""
+def _store_in_order(model: nn.Module, plan: _Plan, order: VocabOrder | None) -> None:
+    """Store the head in `order` (None: learned while training), with the hooks that keep the model the same
+    function of class ids and its state_dict in class order."""
     head = _find_head(model)
-    if len(order) != head.weight.shape[0]:
+    if order is not None and len(order) != head.weight.shape[0]:
         raise ValueError(f"logitless.patch: vocab_order has {len(order)} classes, the head {head.weight.shape[0]}")
-    order = order.to(head.weight.device)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = emb is not None and getattr(emb, "weight", None) is head.weight
-    with torch.no_grad():
-        head.weight.data = order.sort(head.weight.data)
-        if head.bias is not None:
-            head.bias.data = order.sort(head.bias.data)
-
-    hooks = []
-    if tied:
-        def map_inputs(module, args):  # the embedding's rows are the head's: ids to positions
-            return (order.map_ids(args[0]),) + tuple(args[1:])
-
-        hooks.append(emb.register_forward_pre_hook(map_inputs))
-    plan.vocab_order, plan.hooks = order, tuple(hooks)
+    plan.sorter = SortedHead(head.weight, head.bias, module=model, order=order)
