@@ -75,19 +75,19 @@ def resolve_skip(skip: Skip, x, weight, bias, backend: str) -> Skip:
     question to the backward (in_backward), so that the compiled graph never depends on the answer."""
     if skip.resolved:
         return skip
-    done = skip._replace(resolved=True)
+    done = Skip(skip.threshold, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
-        return done._replace(threshold=None)
+        return Skip(None, skip.vocab_order, skip.bounded, True, False)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not (backend == "triton" and grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
             and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)
             and triton_backend.kernels().skip_supported(x)):
-        return done._replace(threshold=None)
+        return Skip(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold != "auto":
         return done
     if _is_compiling():
-        return done._replace(in_backward=True)
-    return done if skip_gate.decide(weight, min_share(x, weight)) else done._replace(threshold=None)
+        return Skip(skip.threshold, skip.vocab_order, skip.bounded, True, True)
+    return done if skip_gate.decide(weight, min_share(x, weight)) else Skip(None, skip.vocab_order, skip.bounded, True, False)
 
 
 def min_share(x, weight) -> float:
