@@ -127,10 +127,10 @@ def test_torch_extreme_logits():
 
 def test_torch_many_chunks(monkeypatch):
     # small chunks force several token and vocabulary chunks: the online statistics across chunks
-    from logitless import torch_backend
+    from logitless.torch_backend import blocks
 
-    monkeypatch.setattr(torch_backend, "CHUNK_ELEMS", 256)
-    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 64)
+    monkeypatch.setattr(blocks, "CHUNK_ELEMS", 256)
+    monkeypatch.setattr(blocks, "VOCAB_CHUNK", 64)
     *tensors, t = make_pair(torch.float32, n=33, v=200)
     for case in ("rkl", "jsd", "ce"):  # student-weighted, second pass, teacher-weighted with the entropy sum
         check(case, tensors, "torch", target=t, reduction="none", softcap=5.0)

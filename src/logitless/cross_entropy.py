@@ -11,9 +11,10 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from . import _validate, torch_backend
+from . import _validate
 from ._autograd import first_order_only
 from ._dispatch import resolve_backend
+from .torch_backend import cross_entropy as torch_ce
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -250,7 +251,7 @@ def cross_entropy(
     if inplace_backward:
         logits2d = unit_class_stride(logits2d)  # a copy where strided: the gradient overwrites it, not the caller's
     if chosen == "torch":
-        loss, lse = torch_backend.cross_entropy(logits2d, t, lead_shape, weight, reduction, ignore_index,
+        loss, lse = torch_ce.cross_entropy(logits2d, t, lead_shape, weight, reduction, ignore_index,
                                                 label_smoothing, z_loss, softcap, inplace_backward=inplace_backward)
     else:
         loss, lse = _cross_entropy_triton(logits2d, t, weight, reduction, ignore_index, label_smoothing, z_loss,

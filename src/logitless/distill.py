@@ -23,10 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, loss_math, torch_backend
+from . import _validate, loss_math
 from ._autograd import first_order_only, no_double_backward, no_setup
 from .head import choose_backend
-from .torch_backend import chunks, token_chunk
+from .torch_backend import blocks
+from .torch_backend.blocks import chunks, token_chunk
 
 # The losses, by the divergence each row computes (see row_loss):
 #   "fkl"  KL(p_t || p_s)          weights p_t   dL/dz_s = p_s - p_t
@@ -223,13 +224,13 @@ def _mix_terms(u, beta):
 
 
 def _chunk_logits(x, w, b, i0, i1, v0, v1, softcap, inv_temp):
-    return torch_backend.linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
+    return blocks.linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
 
 
 def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> RowStats:
     """RowStats in token chunks x vocabulary chunks (never N x V): pass 1 online, pass 2 for the JSD."""
     n, V = a.xs.shape[0], a.ws.shape[0]
-    acc = torch_backend.acc_dtype(a.xs.dtype)
+    acc = blocks.acc_dtype(a.xs.dtype)
     f = dict(device=a.xs.device, dtype=acc)
     out = {k: torch.empty(n, **f) for k in ("m_s", "logs_s", "m_t", "logs_t", "ea", "da", "kt", "ks", "zr", "dl")}
     w_student = weights_student(kind)
@@ -240,7 +241,7 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         m_s = torch.full((c,), -math.inf, **f)
         m_t = torch.full((c,), -math.inf, **f)
         s_s, s_t, ent, dsum, ref, tsum = (torch.zeros(c, **f) for _ in range(6))
-        for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
+        for v0, v1 in chunks(V, blocks.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             za, zb = (zs, zt) if w_student else (zt, zs)
@@ -287,7 +288,7 @@ def torch_stats(a: TwoHeadArgs, kind: str, beta: float, softcap, inv_temp) -> Ro
         sl = slice(i0, i1)
         kt = torch.zeros(i1 - i0, **f)
         ks = torch.zeros(i1 - i0, **f)
-        for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
+        for v0, v1 in chunks(V, blocks.VOCAB_CHUNK):
             zs = _chunk_logits(a.xs, a.ws, a.bs, i0, i1, v0, v1, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             ls = (zs - out["m_s"][sl, None]) - out["logs_s"][sl, None]
@@ -309,23 +310,23 @@ def torch_backward(a: TwoHeadArgs, kind, beta, softcap, inv_temp, st: RowStats, 
     need_x, need_w, need_b = needs
     n, D = xs.shape
     V = ws.shape[0]
-    acc = torch_backend.acc_dtype(xs.dtype)
+    acc = blocks.acc_dtype(xs.dtype)
     dx = torch.zeros(n, D, device=xs.device, dtype=acc) if need_x else None
     dw = torch.empty_like(ws) if need_w else None
     db = torch.empty_like(bs) if need_b else None
     cn = token_chunk(V)
-    for v0, v1 in chunks(V, torch_backend.VOCAB_CHUNK):
+    for v0, v1 in chunks(V, blocks.VOCAB_CHUNK):
         w_c = ws[v0:v1].to(acc)
         dw_c = torch.zeros(v1 - v0, D, device=xs.device, dtype=acc) if need_w else None
         db_c = torch.zeros(v1 - v0, device=xs.device, dtype=acc) if need_b else None
         for i0, i1 in chunks(n, cn):
             sl = slice(i0, i1)
             raw = _chunk_logits(xs, ws, bs, i0, i1, v0, v1, None, 1.0)  # the chain rule needs the raw logits
-            zs = torch_backend.transform(raw, softcap, inv_temp)
+            zs = blocks.transform(raw, softcap, inv_temp)
             zt = _chunk_logits(a.xt, a.wt, a.bt, i0, i1, v0, v1, softcap, inv_temp)
             dz = dz_student(kind, beta, zs, zt, st.m_s[sl], st.logs_s[sl], st.m_t[sl], st.logs_t[sl],
                             None if R is None else R[..., sl], g[sl])
-            dz = torch_backend.chain_transform(dz, raw, softcap, inv_temp)
+            dz = blocks.chain_transform(dz, raw, softcap, inv_temp)
             if need_x:
                 dx[sl] += dz @ w_c
             if need_w:
