@@ -175,7 +175,7 @@ def test_triton_persistent_dz(case, tune, monkeypatch):
         pytest.skip("no tensor descriptors in this Triton")
     tune(two_heads_config=interpreter_config().replace(tma=True))
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, n=40, ds=24, dt=16, v=300)
-    seen = spy_launches(monkeypatch, two_heads, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
+    seen = spy_launches(monkeypatch, two_heads.launch, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
     fn = logitless.linear_kl_div if case == "fkl" else logitless.linear_jsd
     out = {}
     for persistent in (False, True):
