@@ -127,10 +127,10 @@ def test_torch_extreme_logits():
 
 def test_torch_many_chunks(monkeypatch):
     # small chunks force several token and vocabulary chunks: the online statistics across chunks
-    from logitless import torch_backend
+    from logitless.torch_backend import blocks
 
-    monkeypatch.setattr(torch_backend, "CHUNK_ELEMS", 256)
-    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 64)
+    monkeypatch.setattr(blocks, "CHUNK_ELEMS", 256)
+    monkeypatch.setattr(blocks, "VOCAB_CHUNK", 64)
     *tensors, t = make_pair(torch.float32, n=33, v=200)
     for case in ("rkl", "jsd", "ce"):  # student-weighted, second pass, teacher-weighted with the entropy sum
         check(case, tensors, "torch", target=t, reduction="none", softcap=5.0)
@@ -175,7 +175,7 @@ def test_triton_persistent_dz(case, tune, monkeypatch):
         pytest.skip("no tensor descriptors in this Triton")
     tune(two_heads_config=interpreter_config().replace(tma=True))
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, n=40, ds=24, dt=16, v=300)
-    seen = spy_launches(monkeypatch, two_heads, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
+    seen = spy_launches(monkeypatch, two_heads.launch, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
     fn = logitless.linear_kl_div if case == "fkl" else logitless.linear_jsd
     out = {}
     for persistent in (False, True):

@@ -76,5 +76,5 @@ def test_kernels_import_nothing_above_them_but_the_workspace_policy():
         if got:
             above[str(path.relative_to(KERNELS))] = got
     assert above == {"linear_head/plans.py": {"logitless.loss_math", "logitless.loss_math.default_workspace_bytes"},
-                     "two_heads.py": {"logitless.loss_math", "logitless.loss_math.log_ratio",
+                     "two_heads/launch.py": {"logitless.loss_math", "logitless.loss_math.log_ratio",
                                       "logitless.loss_math.move_t"}}

@@ -22,7 +22,8 @@ LAYERS = (
     # oracles, a vocabulary's stored order
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
-    ("triton_backend", "skip_gate"),  # the kernels as torch.library ops; whether skipping pays
+    ("triton_backend", "triton_two_heads", "triton_cross_entropy", "skip_gate"),  # the kernels as torch.library
+    # ops; whether skipping pays
     ("head",),  # the head op: backend choice, skip plan
     ("distributed",),  # vocab-parallel: the head op per shard + an exchange of the statistics
     ("linear_cross_entropy", "log_probs", "cross_entropy", "distill"),  # public ops

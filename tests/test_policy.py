@@ -71,13 +71,13 @@ def test_workspace_overrides():
                                              (65536, 128256, False), (3, 50257, False), (700, 5000, True)])
 def test_torch_path_blocks(n, v, temporaries):
     # One float32 block takes half the budget (a third with temporaries of its size), all tokens at once while
-    # that leaves >= _MIN_COLS classes (else token chunks of _MIN_COLS classes), never more than the head.
-    rows, cols = torch_backend._block(n, v, temporaries)
+    # that leaves >= MIN_COLS classes (else token chunks of _MIN_COLS classes), never more than the head.
+    rows, cols = torch_backend.blocks.budget_block(n, v, temporaries)
     budget = loss_math.default_workspace_bytes(n, v)
     assert 1 <= rows <= n and 1 <= cols <= v
     assert rows * cols * 4 <= budget // (3 if temporaries else 2)
-    assert cols >= min(v, torch_backend._MIN_COLS)
-    assert rows == n or cols == min(v, torch_backend._MIN_COLS) or rows * (cols + 1) * 4 > budget // 2
+    assert cols >= min(v, torch_backend.blocks.MIN_COLS)
+    assert rows == n or cols == min(v, torch_backend.blocks.MIN_COLS) or rows * (cols + 1) * 4 > budget // 2
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_torch_path_peak_and_precision_with_many_blocks(monkeypatch):
     # above the gradients (and the float32 dx accumulator, O(N D)) within the budget.
     monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 256 << 10)
     n, d, v = 96, 24, 2500
-    rows, cols = torch_backend._block(n, v, True)
+    rows, cols = torch_backend.blocks.budget_block(n, v, True)
     assert rows < n and cols < v
     x, w, b, t = make_case(torch.float32, n=n, d=d, v=v, bias=True, scale=2.0)
     cw = torch.rand(v, generator=torch.Generator().manual_seed(2)) + 0.5

@@ -66,7 +66,7 @@ def test_split_rows(small_tiles, reduction, smoothing, z_loss, softcap, class_w,
     (None, DEFAULT.ce_inplace_lag_bytes),  # the driver does not say
 ])
 def test_in_place_lag_follows_dram_bandwidth(monkeypatch, bandwidth, expected):
-    monkeypatch.setattr(kce, "dram_bytes_per_s", lambda index: bandwidth)
+    monkeypatch.setattr(kce.configs, "dram_bytes_per_s", lambda index: bandwidth)
     assert kce.inplace_lag_bytes(torch.device("cuda", 0)) == expected
     assert kce.inplace_lag_bytes(torch.device("cpu")) == DEFAULT.ce_inplace_lag_bytes
 
@@ -96,7 +96,7 @@ def test_in_place_is_one_launch(small_tiles, tune, monkeypatch):
     def no_second_launch(*a, **k):
         raise AssertionError("in-place gradient written by a second launch")
 
-    monkeypatch.setattr(kce, "cross_entropy_bwd", no_second_launch)
+    monkeypatch.setattr(kce.launch, "cross_entropy_bwd", no_second_launch)
     z, t = make(17, 1000, torch.bfloat16)
     check(z, t, True)
     tune(ce_inplace_lag_bytes=None)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python tools/gpu_ce_floor.py
 
-The one-launch in-place path (kernels/cross_entropy.py, LAGGED) reads each logit twice, once for the row statistics
+The one-launch in-place path (kernels/cross_entropy/, LAGGED) reads each logit twice, once for the row statistics
 and once, `lag` work units later, for the gradient (from L2 by then), and writes it once. `_traffic_kernel` makes
 exactly those accesses, with the same work units (2 tiles of 8192 columns of one row), the same lag in units, the
 same L2 hints (the first read evict_last, the second evict_first, streaming stores), and none of the arithmetic or

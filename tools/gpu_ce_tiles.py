@@ -40,7 +40,7 @@ def run_shape(N, V):
     t = torch.randint(0, V, (N,), device="cuda")
     y = torch.empty_like(x)
     copy = median_ms(lambda: y.copy_(x))
-    print(f"{N}x{V}: copy {copy:.3f} ms, default {kce._config(N, V, x.device)}", flush=True)
+    print(f"{N}x{V}: copy {copy:.3f} ms, default {kce.default_config(N, V, x.device)}", flush=True)
     ref = None
     for cfg in CONFIGS:
         try:
@@ -76,8 +76,8 @@ def run_lags(N, V):
     copy = median_ms(lambda: y.copy_(x))
     tune = kernels.current_tuning()
     print(f"{N}x{V}: copy {copy:.3f} ms, in-place default "
-          f"{kce._config(N, V, x.device, tune.ce_inplace_tiles_per_program)}, lag {kce.inplace_lag_bytes(x.device)} "
-          "bytes", flush=True)
+          f"{kce.default_config(N, V, x.device, tune.ce_inplace_tiles_per_program)}, "
+          f"lag {kce.inplace_lag_bytes(x.device)} bytes", flush=True)
     for cfg in LAG_CONFIGS:
         ref = None
         row = []

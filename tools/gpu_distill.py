@@ -130,7 +130,7 @@ def main():
     n, d, v = (int(a) for a in args.shape.split(","))
     if args.tiles:
         bn, bv, bk, warps, stages = (int(a) for a in args.tiles.split(","))
-        base = two_heads._config(torch.empty(1, device="cuda", dtype=torch.bfloat16))
+        base = two_heads.config(torch.empty(1, device="cuda", dtype=torch.bfloat16))
         tiles = dataclasses.replace(base, block_n=bn, block_v=bv, block_k=bk, fwd_warps=warps, fwd_stages=stages,
                                     dz_block_v=bv)
         _TUNED.enter_context(tuning(two_heads_config=tiles))  # for the rest of the run
@@ -146,7 +146,7 @@ def main():
         pass
     losses = _losses(liger)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  shape N={n} D={d} V={v} bf16 data={args.data}"
-          f"  two-head tiles {two_heads._config(x)}")
+          f"  two-head tiles {two_heads.config(x)}")
     for name, fn in losses.items():
         print(f"check {name:20s} {_check(name, fn, x, w, xt, wt, t, args.check_rows)}")
     times = {name: [] for name in losses}

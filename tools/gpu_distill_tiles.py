@@ -19,7 +19,7 @@ import statistics
 import torch
 
 import logitless
-from logitless import distill
+from logitless import loss_math
 from logitless.bench import cases, data
 from logitless.kernels import linear_head as lh
 from logitless.kernels import tuning, two_heads
@@ -86,7 +86,7 @@ def _kinds(xs, ws, xt, wt, g, reps, rate):
             return two_heads.forward_stats(xs, ws, None, xt, wt, None, kind=kind, beta=0.5, softcap=None,
                                            inv_temp=1.0)
         st = fwd()
-        _, R, t_ref, t_aux = distill.row_loss(kind, 0.5, distill.RowStats(*st))
+        _, R, t_ref, t_aux = loss_math.row_loss(kind, 0.5, loss_math.RowStats(*st))
         line = f"{kind:4s} forward {rate(_ms(fwd, reps), 4 if kind == 'jsd' else 2)}"
         for tma in (True, False):
             def bwd(kind=kind, st=st, R=R, t_ref=t_ref, t_aux=t_aux):
@@ -96,8 +96,8 @@ def _kinds(xs, ws, xt, wt, g, reps, rate):
             with tuning(two_heads_dz_store_tma=tma):
                 line += f" | backward dz-tma={int(tma)} {_ms(bwd, reps):8.2f} ms"
         print(line)
-    print("fwd kernel (regs, spills, smem):", _resources(two_heads._two_fwd_kernel))
-    print("dz kernel (regs, spills, smem):", _resources(two_heads._two_dz_kernel))
+    print("fwd kernel (regs, spills, smem):", _resources(two_heads.kernels._two_fwd_kernel))
+    print("dz kernel (regs, spills, smem):", _resources(two_heads.kernels._two_dz_kernel))
 
 
 def main():
@@ -142,7 +142,7 @@ def main():
     g = torch.ones(n, device="cuda")
     if args.kinds:
         _kinds(xs, ws, xt, wt, g, args.reps, rate)
-    base = two_heads._config(xs)
+    base = two_heads.config(xs)
     st = ref_st = None
     for spec in args.fwd:
         (bn, bv, bk, warps, stages), fused, group = _spec(spec)

@@ -1,8 +1,8 @@
-"""cross_entropy on logits that already exist: public function, Triton autograd.Function and its torch.library ops.
+"""cross_entropy on logits that already exist: the public function (validation, the backend choice, the call).
 
-With ``inplace_backward=True`` the Triton forward writes d(loss)/d(logits) over the logits in the same pass that
-computes the loss (one read and one write of the logits for forward and backward together), and the backward only
-scales that buffer by the upstream gradient, on the device and only where the upstream gradient is not exactly 1.
+The two backends are torch_backend/cross_entropy.py (the chunked PyTorch twin) and triton_cross_entropy.py (the
+kernels as torch.library ops); each returns the reduced loss, since the Triton form's in-place gradient is that of
+the reduced loss.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from . import _validate, torch_backend
-from ._autograd import first_order_only
+from . import _validate, triton_cross_entropy
 from ._dispatch import resolve_backend
+from .torch_backend import cross_entropy as torch_cross_entropy
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -21,155 +21,6 @@ class CrossEntropyOutput(NamedTuple):
 
     loss: torch.Tensor  # float32: scalar, or the shape of target for reduction="none"
     lse: torch.Tensor  # float32, shape of target: logsumexp of each row's (softcapped) logits; not differentiable
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# torch.library ops around the launchers, so torch.compile sees each launch as one opaque op.
-
-_OPT_ARGS = "int ignore_index, float label_smoothing, float z_loss, float? softcap"
-
-
-def _kernels():
-    from .kernels import cross_entropy as k
-
-    return k
-
-
-def _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, write_grad):
-    return _kernels().cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                        write_grad=write_grad)
-
-
-def _fwd_fake(logits, *args):
-    N = logits.shape[0]
-    f32 = dict(device=logits.device, dtype=torch.float32)
-    return logits.new_empty(N, **f32), logits.new_empty(N, **f32), logits.new_empty(N, 2, **f32)
-
-
-_fwd_op = torch.library.custom_op(
-    "logitless::cross_entropy_fwd", mutates_args=(),
-    schema=f"(Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
-           "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False))
-_fwd_op.register_fake(_fwd_fake)
-
-_fwd_inplace_op = torch.library.custom_op(
-    "logitless::cross_entropy_fwd_inplace", mutates_args=("logits",),
-    schema=f"(Tensor(a!) logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
-           "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True))
-_fwd_inplace_op.register_fake(_fwd_fake)
-
-
-def _bwd_impl(grad, logits, target, class_w, w_sum, scale, stats, ignore_index, label_smoothing, z_loss, softcap):
-    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return _kernels().cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out,
-                                        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                                        softcap=softcap)
-
-
-_bwd_op = torch.library.custom_op(
-    "logitless::cross_entropy_bwd", mutates_args=(),
-    schema=f"(Tensor grad, Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, "
-           f"Tensor stats, {_OPT_ARGS}) -> Tensor",
-)(_bwd_impl)
-_bwd_op.register_fake(lambda grad, logits, *args: torch.empty_like(logits, memory_format=torch.contiguous_format))
-
-
-def _scale_impl(buf, grad):
-    _kernels().scale_rows_(buf, grad)
-
-
-_scale_op = torch.library.custom_op(
-    "logitless::cross_entropy_scale_", mutates_args=("buf",), schema="(Tensor(a!) buf, Tensor grad) -> ()",
-)(_scale_impl)
-_scale_op.register_fake(lambda buf, grad: None)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# autograd
-
-
-class _TritonCrossEntropy(torch.autograd.Function):
-    """(N, V) logits -> (reduced loss, per-row lse). In place, the forward leaves the gradient of the reduced loss
-    (upstream 1) in the logits buffer and the backward scales it; otherwise the backward recomputes it."""
-
-    @staticmethod
-    def forward(ctx, logits, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap, inplace):
-        valid = target != ignore_index
-        w_sum = class_w.sum() if class_w is not None and label_smoothing > 0.0 else None
-        denom = scale = None
-        if reduction == "mean":
-            if class_w is None:
-                denom = valid.sum(dtype=torch.float32)
-            else:
-                denom = (class_w[torch.where(valid, target, 0)] * valid).sum()
-            scale = denom.reciprocal()  # inf when every row is ignored; the kernels never multiply by it then
-        opts = (ignore_index, float(label_smoothing), float(z_loss), softcap)
-        write = inplace and ctx.needs_input_grad[0]
-        op = _fwd_inplace_op if write else _fwd_op
-        loss_rows, lse, stats = op(logits, target, class_w, w_sum, scale, *opts)
-        if reduction == "none":
-            loss = loss_rows
-        else:
-            loss = loss_rows.sum()
-            if denom is not None:
-                loss = loss / denom
-        ctx.inplace = write
-        ctx.reduction = reduction
-        ctx.opts = opts
-        if write:
-            ctx.save_for_backward(logits)
-        else:
-            ctx.save_for_backward(logits, target, class_w, w_sum, scale, stats)
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss, _grad_lse):
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 9
-        grad_loss = grad_loss.float()
-        if ctx.reduction == "none":
-            grad_loss = grad_loss.contiguous()  # an expanded upstream (from .sum()) has stride 0
-        if ctx.inplace:
-            if getattr(ctx, "consumed", False):
-                raise RuntimeError("cross_entropy(inplace_backward=True): the gradient was already written over the "
-                                   "logits and consumed by an earlier backward; it can run only once")
-            ctx.consumed = True
-            (buf,) = ctx.saved_tensors
-            _scale_op(buf, grad_loss)
-            return buf, None, None, None, None, None, None, None, None
-        logits, target, class_w, w_sum, scale, stats = ctx.saved_tensors
-        dlogits = _bwd_op(grad_loss, logits, target, class_w, w_sum, scale, stats, *ctx.opts)
-        return dlogits, None, None, None, None, None, None, None, None
-
-
-def _cross_entropy_triton(logits2d, target, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-                          inplace):
-    if logits2d.dtype not in _validate.KERNEL_DTYPES:
-        raise TypeError(f"cross_entropy: the Triton kernels take float32, bfloat16 or float16 logits, got "
-                        f"{logits2d.dtype}; use backend='torch'")
-    logits2d = unit_class_stride(logits2d)  # the kernels read rows with unit stride
-    class_w = None if weight is None else weight.to(torch.float32).contiguous()
-    return _TritonCrossEntropy.apply(logits2d, target, class_w, reduction, ignore_index,
-                                     float(label_smoothing), float(z_loss),
-                                     None if softcap is None else float(softcap), bool(inplace))
-
-
-def unit_class_stride(logits2d: torch.Tensor) -> torch.Tensor:
-    """(N, V) logits with unit stride along the classes: a copy where they are strided, else the same memory. The
-    stride of a class dimension of size 1 (or of an empty tensor) means nothing, and contiguous() keeps whatever it
-    is (a transposed (1, N) tensor has stride N there): such a tensor gets a view with stride 1 instead."""
-    if logits2d.stride(1) == 1:
-        return logits2d
-    if logits2d.shape[1] == 1 or logits2d.numel() == 0:
-        return logits2d.as_strided(logits2d.shape, (logits2d.stride(0), 1))
-    return logits2d.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,14 +99,9 @@ def cross_entropy(
     # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
     inplace_backward = inplace_backward and torch.is_grad_enabled()
     if inplace_backward:
-        logits2d = unit_class_stride(logits2d)  # a copy where strided: the gradient overwrites it, not the caller's
-    if chosen == "torch":
-        loss, lse = torch_backend.cross_entropy(logits2d, t, lead_shape, weight, reduction, ignore_index,
-                                                label_smoothing, z_loss, softcap, inplace_backward=inplace_backward)
-    else:
-        loss, lse = _cross_entropy_triton(logits2d, t, weight, reduction, ignore_index, label_smoothing, z_loss,
-                                          softcap, inplace_backward)
-        lse = lse.reshape(lead_shape)
-        if reduction == "none":
-            loss = loss.reshape(lead_shape)
+        # a copy where strided: the gradient overwrites it, not the caller's
+        logits2d = triton_cross_entropy.unit_class_stride(logits2d)
+    run = torch_cross_entropy.cross_entropy if chosen == "torch" else triton_cross_entropy.cross_entropy
+    loss, lse = run(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                    inplace_backward)
     return CrossEntropyOutput(loss, lse) if return_lse else loss

@@ -29,6 +29,7 @@ p_t 2 z_loss lse - (1 - p_t) w_t (float32, V = 2, z_loss 1e-4: d_input 100 x PyT
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -208,7 +209,7 @@ def log_probs_from_stats(st: Stats, valid):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Two heads: the log-ratio of their sums near agreement (distill.RowStats.dl; both backends)
+# Two heads: the log-ratio of their sums near agreement (RowStats.dl; both backends)
 
 
 def move_t(t, s_a, w, cs, q_log):
@@ -242,3 +243,115 @@ def log_ratio(s_b, s_a, m_b, zr, t):
     tn = t / s_a
     near = torch.isfinite(tn) & (tn.abs() <= 1.0)
     return torch.where(near, (zr - m_b) + torch.log1p(torch.where(near, tn, 0.0)), plain)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two heads (logitless.distill): their row statistics, each loss on them, and the student's dL/dz. Both backends'
+# statistics are RowStats; the PyTorch backend forms dL/dz with dz_student, the kernels with its Triton twin.
+
+# The losses, by the divergence each row computes (see row_loss):
+#   "fkl"  KL(p_t || p_s)          weights p_t   dL/dz_s = p_s - p_t
+#   "rkl"  KL(p_s || p_t)          weights p_s   dL/dz_s = p_s (log p_s - log p_t - KL)
+#   "ce"   -sum_j p_t log p_s      weights p_t   dL/dz_s = p_s - p_t
+#   "jsd"  beta KL(p_t || M) + (1 - beta) KL(p_s || M),  M = beta p_t + (1 - beta) p_s
+#                                                 dL/dz_s = (1 - beta) p_s (log p_s - log M - KL(p_s || M))
+KINDS = ("fkl", "rkl", "ce", "jsd")
+
+
+def weights_student(kind: str) -> bool:
+    """Whether pass 1's cross sum and reference follow the student's softmax (reverse KL; the JSD, which uses only
+    the reference) or the teacher's."""
+    return kind in ("rkl", "jsd")
+
+
+class RowStats(NamedTuple):
+    """Per-row float32 statistics of both heads (lse = m + logs for each) and of the weighting head a (the student
+    for the reverse KL and the JSD, the teacher otherwise; b the other): ea = E_a[z_a - m_a] (for the soft
+    cross-entropy), zr = z_b at a's argmax (the reference), da = E_a[(z_a - m_a) - (z_b - zr)], and
+    dl = logs_b - logs_a formed as log(s_b / s_a), or near agreement from sum_j e_a expm1(delta_j) (log_ratio; not
+    for the JSD). For the JSD, kt = KL(p_t || M) from the second pass and ks
+    relative to the reference: sum_j p_s (d_j - d_ref), d = log p_s - log M and d_ref its value at the student's
+    argmax (dref; None otherwise). Both of da's terms, and d - d_ref, are 0 at a's argmax: where p_a is nearly one-hot,
+    the sums are the small terms of the other classes instead of differences of logit-sized numbers; and near
+    agreement the two log-sums are ~log V each, whose own roundings (2.4e-7 at V = 100) would be most of a small
+    divergence's error (docs/math.md)."""
+
+    m_s: torch.Tensor
+    logs_s: torch.Tensor
+    m_t: torch.Tensor
+    logs_t: torch.Tensor
+    ea: torch.Tensor | None
+    da: torch.Tensor | None
+    kt: torch.Tensor | None = None
+    ks: torch.Tensor | None = None
+    zr: torch.Tensor | None = None
+    dl: torch.Tensor | None = None
+    dref: torch.Tensor | None = None
+
+
+def row_loss(kind: str, beta: float, st: RowStats):
+    """(per-row loss, the row term R of the student's gradient or None, and the teacher's two row statistics of
+    dz_student, t_ref and t_aux: m_t and logs_t, but for the reverse KL t_ref is the teacher's logit at the
+    student's argmax, and for the JSD t_aux is logs_s - logs_t). The terms are each small where the loss is
+    (docs/math.md): no difference of logit-sized numbers is left to cancel."""
+    if kind == "fkl":  # E_t[z_t - z_s] - lse_t + lse_s, with E_t[z_t - z_s] = da + m_t - zr
+        # R = dl: dL/dz_s = p_s - p_t = -p_s expm1(log p_t - log p_s) near agreement (dz_student)
+        return st.da + ((st.m_s - st.zr) + st.dl), st.dl, st.m_t, st.logs_t
+    if kind == "rkl":  # E_s[z_s - z_t] - lse_s + lse_t
+        # dL/dz_s = p_s (l_s - l_t - KL) = p_s ((z_s - m_s) - (z_t - zr) - da): da is R, zr the teacher's reference.
+        return st.da + ((st.m_t - st.zr) + st.dl), st.da, st.zr, st.logs_t
+    if kind == "ce":  # lse_s - E_t[z_s] = (m_s - zr) + logs_s - E_t[z_t - m_t] + da
+        return st.da + ((st.m_s - st.zr) + st.logs_s - st.ea), st.dl, st.m_t, st.logs_t
+    # R: (ks, u at the student's argmax); dz_student's row term is d - d_ref - ks, 0 at the argmax's own class
+    # (a = the student: dl = logs_t - logs_s, so u = lt - ls takes -dl)
+    u_ref = (st.zr - st.m_t) - st.dl
+    return beta * st.kt + (1.0 - beta) * (st.ks + st.dref), torch.stack([st.ks, u_ref]), st.m_t, -st.dl
+
+
+def dz_student(kind: str, beta: float, zs, zt, m_s, logs_s, m_t, logs_t, R, g):
+    """dL/dz_s of a block (float32 or float64), rows scaled by the upstream gradient g (0 at ignored rows); m_t is
+    row_loss's teacher reference."""
+    ls = (zs - m_s[:, None]) - logs_s[:, None]
+    ps = torch.exp(ls)
+    if kind in ("fkl", "ce"):
+        # R is dl = logs_s - logs_t here (row_loss). Near agreement p_s - p_t cancels to ~an ulp of p (3e-8 at
+        # p ~ 0.5 against differences of 1e-4); -p_s expm1(u), u = log p_t - log p_s, is exact to an ulp of itself.
+        u = lt_minus_ls(zs, zt, m_s, m_t, R)
+        near = u.abs() < 0.5
+        dz = torch.where(near, -ps * torch.expm1(torch.where(near, u, 0.0)),
+                         ps - torch.exp((zt - m_t[:, None]) - logs_t[:, None]))
+    else:
+        if kind == "rkl":  # m_t is the teacher's logit at the student's argmax and R = da (row_loss)
+            inner = (zs - m_s[:, None]) - (zt - m_t[:, None]) - R[:, None]
+            scale = 1.0
+        else:
+            # logs_t is logs_s - logs_t here (row_loss)
+            d_ref = mix_terms(R[1], beta)[0]
+            inner = (mix_terms(lt_minus_ls(zs, zt, m_s, m_t, logs_t), beta)[0] - d_ref[:, None]) - R[0][:, None]
+            scale = 1.0 - beta
+        dz = torch.where(ps > 0, ps * inner, 0.0)
+        if scale != 1.0:
+            dz = dz * scale
+    return dz * g[:, None]
+
+
+def lt_minus_ls(zs, zt, m_s, m_t, dl):
+    """log p_t - log p_s of a block from each head's logits relative to its maximum (small where either head's
+    mass is) and dl = logs_s - logs_t formed as log(s_s / s_t): neither the logits' size nor the log-sums' (~log V)
+    rounding enters it."""
+    return ((zt - m_t[:, None]) - (zs - m_s[:, None])) + dl[:, None]
+
+
+def mix_terms(u, beta):
+    """(log p_s - log M, log p_t - log M) for u = log p_t - log p_s, 0 < beta < 1, from
+    L = log1p(beta expm1(u)) for u <= 1 and log1p((1 - beta) / beta e^-u) for u > 1 (no overflow; that form
+    cancels near u = 0): -L - [u > 1] (u + log beta) and [u > 1] (-log beta - L) + [u <= 1] (u + log p_s - log M).
+    From l_s and log M taken apart, both ~log V, the difference kept their roundings (2.4e-7 each at V = 100)
+    against values of 1e-3 where the heads nearly agree."""
+    big = u > 1.0
+    L = torch.log1p(torch.where(big, (1.0 - beta) / beta * torch.exp(-u.clamp(min=1.0)),
+                                beta * torch.expm1(u.clamp(max=1.0))))
+    d_s = -L - torch.where(big, u + math.log(beta), 0.0)
+    d_t = torch.where(big, -math.log(beta) - L, u + d_s)
+    return d_s, d_t
+

@@ -6,9 +6,11 @@
 - cross_entropy: cross-entropy on logits that already exist, with an in-place gradient.
 
 The tuning knobs those launchers read (tiles, workspaces, the stash, debug switches) are one object, Tuning; tests
-and tools change them for a block with `kernels.tuning(**overrides)`. Importing this package loads no kernel.
+and tools change them for a block with `kernels.tuning(**overrides)`; `narrow` is the rule, read from it, by which a
+half-precision backward of a few features keeps dL/dz in float32. Importing this package loads no kernel.
 """
 
+from ._common import narrow
 from ._tuning import Tuning, current_tuning, tuning
 
-__all__ = ["Tuning", "current_tuning", "tuning"]
+__all__ = ["Tuning", "current_tuning", "narrow", "tuning"]

@@ -90,3 +90,12 @@ def gradient_buffers(x: torch.Tensor, w: torch.Tensor, need_dx: bool, need_dw: b
             if g is not None:
                 g.zero_()
     return dx, dw, db, empty
+
+
+def narrow(x: torch.Tensor) -> bool:
+    """The narrow-D rule of both kernel families' backwards: a bfloat16 / float16 input of fewer than
+    Tuning.narrow_d features takes its gradients with dL/dz kept in float32 for the products (a linear head: the
+    backward on float32 copies; two heads: the PyTorch backend's backward). At such a width the products cost next
+    to nothing, and dL/dz rounded to half precision before them is the whole error, which a sum over a few nearly
+    cancelling terms amplifies."""
+    return x.dtype != torch.float32 and 0 < x.shape[1] < current_tuning().narrow_d

@@ -117,7 +117,7 @@ class Tuning:
 
     # --- cross_entropy on stored logits (kernels/cross_entropy)
     # Columns per tile and tiles per program of the two-launch path (pass 1 reads tiles * tile columns of a row), and
-    # the narrowest tile (kernels/cross_entropy.py, config).
+    # the narrowest tile (kernels/cross_entropy/configs.py, default_config).
     ce_tile_elems: int = 8192
     ce_tiles_per_program: int = 4
     ce_min_block_v: int = 1024

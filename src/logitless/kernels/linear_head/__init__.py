@@ -56,10 +56,31 @@ change are fields of kernels.Tuning, read at each launch.
 from .._common import new_buffer as _new  # noqa: F401 - the Triton op allocates its outputs with it
 from .configs import Config, config_for, fp32_config, gpu_config, hopper_config, interpreter_config, small_smem_config
 from .launch import backward, forward_stats
-from .plans import SkipPlan, StashLayout, acc_forced, skip_plan, skip_supported, stash_layout, tile_grid, vocab_order
+from .plans import (
+    SkipPlan,
+    StashLayout,
+    acc_forced,
+    dz_rows,
+    scratch_ld,
+    skip_plan,
+    skip_supported,
+    stash_layout,
+    tile_grid,
+    vocab_order,
+)
+
+# What the two-head backward (kernels/two_heads) shares with this one: the workspace plan of a backward, where its
+# dz and float32 dx accumulator live (backward_plan), the vocabulary walk of its first and second passes, the dz
+# views, and the gradient products.
+from .plans import _first_pass as first_pass_chunks
+from .plans import _plan as backward_plan
+from .plans import _second_pass as second_pass_chunks
+from .plans import _workspace as workspace_plan
+from .products import MM_OUT_DTYPE, Fp32Reductions, products_torch
 
 __all__ = [
-    "Config", "SkipPlan", "StashLayout", "acc_forced", "backward", "config_for", "forward_stats", "fp32_config",
-    "gpu_config", "hopper_config", "interpreter_config", "skip_plan", "skip_supported", "small_smem_config",
-    "stash_layout", "tile_grid", "vocab_order",
+    "MM_OUT_DTYPE", "Config", "Fp32Reductions", "SkipPlan", "StashLayout", "acc_forced", "backward", "backward_plan",
+    "config_for", "dz_rows", "first_pass_chunks", "forward_stats", "fp32_config", "gpu_config", "hopper_config",
+    "interpreter_config", "products_torch", "scratch_ld", "second_pass_chunks", "skip_plan", "skip_supported",
+    "small_smem_config", "stash_layout", "tile_grid", "vocab_order", "workspace_plan",
 ]

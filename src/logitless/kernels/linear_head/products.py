@@ -96,3 +96,8 @@ def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
                 torch.mm(dz, wc, **to_f32, out=dx_acc)
 
 
+# The products of a chunk and their cuBLAS settings under the names the two-head backward imports: both kernel
+# families' gradient products are these.
+MM_OUT_DTYPE = _MM_OUT_DTYPE
+Fp32Reductions = _Fp32Reductions
+products_torch = _products_torch

@@ -2,7 +2,7 @@
 
 forward_with_grads walks the rows in chunks of plans.row_chunk_plan. Each chunk's full rows of logits are one
 product into a bf16 buffer (cuBLAS, as F.linear computes them); the cross-entropy kernel on existing logits
-(kernels/cross_entropy.py, in place) takes each row's statistics and loss and writes dL/dz over the logits in one
+(kernels/cross_entropy/, in place) takes each row's statistics and loss and writes dL/dz over the logits in one
 memory pass; two products take the gradients from there: dx_c = dz W (the chunk's rows of dx, written once) and
 dW += dz^T x_c, into a float32 accumulator where the plan has one, else into dW itself (bf16, one rounding per
 chunk: the bound is in docs/design/row_chunks.md). Three products in all, against the column plan's

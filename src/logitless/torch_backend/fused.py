@@ -1,0 +1,178 @@
+"""The fused training path of linear_cross_entropy on this backend: chunks of rows over the full vocabulary whose
+gradients are computed in the forward (three products instead of the generic path's four)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._autograd import first_order_only, scale_forward_grads
+from ..loss_math import ce_loss_from_stats, ce_row_terms, one_minus_pt, reduce_loss
+from .blocks import acc_dtype, apply_softcap, budget_beside_products, chunks
+
+# The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
+# (three per chunk), and the generic path, which reads it twice in all, is taken instead.
+_MIN_FUSED_ROWS = 32
+
+def fused_rows(x, w, b, softcap, reduction) -> int:
+    """Rows per chunk of the fused path of linear_cross_entropy (fused_linear_cross_entropy), or 0 where it does
+    not apply: it needs a reduced loss ("mean" / "sum"), a gradient wanted now (grad mode, an input that requires
+    grad; not while torch.compile traces, which keeps the generic path), and the policy's budget
+    (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
+    when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
+    the gradients until the backward) and the products' own buffers (blocks.budget_beside_products)."""
+    from .._validate import _is_compiling
+
+    n, D = x.shape
+    V = w.shape[0]
+    needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+    if reduction == "none" or n == 0 or V < 2 or not torch.is_grad_enabled() or not any(needs) or _is_compiling():
+        return 0
+    acc = acc_dtype(x.dtype)
+    item = acc.itemsize
+    fixed = 0
+    if w.dtype != acc:  # W in the accumulation dtype, and the weight gradient's accumulator
+        fixed += item * V * D * (1 + needs[1])
+    per_row = item * V * (1 + (softcap is not None))  # the block, and the softcap's chain factor
+    if x.dtype != acc:  # the chunk of x in the accumulation dtype, and the input gradient's accumulator
+        per_row += item * D * (1 + needs[0])
+    rows = (budget_beside_products(n, V) - fixed) // per_row
+    return min(n, rows) if rows >= min(n, _MIN_FUSED_ROWS) else 0
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """(x, W, b) -> the reduced cross-entropy, with the gradients computed in the forward (_fused_forward); the
+    backward scales them by the upstream gradient: into fresh tensors while the graph is kept (any number of
+    backwards with retain_graph=True give the same gradients), in place in the backward that frees the graph."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows):
+        needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
+        loss, grads = _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows,
+                                     needs)
+        # Saved only for first_order_only: with create_graph=True they tie the gradients to a node that refuses a
+        # second differentiation. The backward itself does not read them.
+        ctx.save_for_backward(x, w, b)
+        ctx.grads = grads
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        return loss
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        return (*scale_forward_grads(ctx, g), None, None, None, None, None, None, None, None)
+
+
+def fused_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                               rows):
+    """linear_cross_entropy's reduced loss on validated (N, D) / (V, D) inputs through the fused path (fused_rows
+    gives `rows`); autocast is off inside, as in linear_head.stats()."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _FusedCrossEntropy.apply(x, w, b, target, class_w, reduction, ignore_index, float(label_smoothing),
+                                        float(z_loss), None if softcap is None else float(softcap), rows)
+
+
+def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, rows, needs):
+    """(loss, (dx, dW, db)) of the reduced cross-entropy, the gradients for an upstream gradient of 1 (None where
+    not needed) in the accumulation dtype. Rows outer, over the full vocabulary: each chunk's logits are computed
+    once into one buffer, give the rows' statistics (m, logs, zt, sw: loss_math's contract), become dL/dz there in
+    place, and go into the products dx_c = dz W and dW += dz^T x_c: three products in all, against the generic
+    path's four (its backward recomputes the logits). dL/dz_j = p_j A - C [j == t] - E w_j with, for a valid row of
+    reduction factor r (1, or 1 / the summed target weights): A = r ((1 - eps) w_t + eps W / V + 2 z_loss lse),
+    C = r (1 - eps) w_t, E = r eps / V (loss_math.head_coefficients for this loss); 0 for an ignored row."""
+    n, D = x.shape
+    V = w.shape[0]
+    acc = acc_dtype(x.dtype)
+    need_x, need_w, need_b = needs
+    f = dict(device=x.device, dtype=acc)
+    wa = w if w.dtype == acc else w.to(acc)
+    ba = None if b is None else b.to(acc)
+    valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, eps, V, acc)
+    # The reduction's factor per row, 0 where ignored (where(): 1 / 0 when every row is ignored must not reach them).
+    r = valid.to(acc) if reduction == "sum" else torch.where(valid, 1.0 / w_t.sum(), 0.0)
+    C = (r * w_t) * (1.0 - eps) if eps < 1.0 else None
+    A_s = r * ((eps / V) * w_sum) if eps > 0.0 else None  # A less C: the target column's own A (At)
+    A = C if A_s is None else (A_s if C is None else C + A_s)
+    E = r * (eps / V) if eps > 0.0 else None
+    inside = (target >= 0) & (target < V)
+    idx = torch.where(inside, target, 0)
+    if E is not None:
+        E_t = E * (w_t if class_w is not None else 1.0)  # E w_t (w_t is 0 at an ignored row, and so is E)
+    m = torch.empty(n, **f)
+    logs = torch.empty(n, **f)
+    zt = torch.empty(n, **f)
+    sw = torch.empty(n, **f) if eps > 0.0 else None
+    dx = torch.empty(n, D, **f) if need_x else None
+    dw = torch.empty(V, D, **f) if need_w else None
+    db = torch.zeros(V, **f) if need_b else None
+    buf = torch.empty(rows * V, **f)
+    slope_buf = torch.empty(rows * V, **f) if softcap is not None else None
+    for i0, i1 in chunks(n, rows):
+        sl = slice(i0, i1)
+        x_c = x[sl] if x.dtype == acc else x[sl].to(acc)
+        z = buf[: (i1 - i0) * V].view(i1 - i0, V)
+        if ba is not None:
+            torch.addmm(ba, x_c, wa.T, out=z)
+        else:
+            torch.mm(x_c, wa.T, out=z)
+        slope = None
+        if softcap is not None:  # the chain factor from the raw logits (softcap_slope's form), then the cap
+            slope = slope_buf[: z.numel()].view_as(z)
+            torch.div(z, softcap, out=slope).abs_().mul_(-2.0).sigmoid_()
+            slope.addcmul_(slope, slope, value=-1.0).mul_(4.0)
+            apply_softcap(z, softcap, inplace=True)
+        m_c = z.amax(dim=1)
+        m[sl] = m_c
+        ix = idx[sl, None]
+        zt[sl] = torch.where(inside[sl], z.gather(1, ix)[:, 0], 0.0)
+        z.sub_(m_c[:, None])  # z - m, exact
+        if sw is not None:
+            sw[sl] = z.sum(dim=1) if class_w is None else z @ class_w
+        z.exp_()
+        # S = rest + e_t, rest summed without the target (loss_math.head_coefficients): 1 - p_t = rest / S, which
+        # p_t - 1 loses for a near-certain row.
+        ins = inside[sl]
+        e_t = z.gather(1, ix)[:, 0]
+        z.scatter_(1, ix, torch.where(ins, 0.0, e_t)[:, None])
+        rest_c = z.sum(dim=1)
+        z.scatter_(1, ix, e_t[:, None])
+        s_c = rest_c + torch.where(ins, e_t, 0.0)
+        logs_c = torch.log(s_c)
+        logs[sl] = logs_c
+        a_c = A[sl]
+        at_c = None if A_s is None else A_s[sl]
+        if z_loss > 0.0:
+            zl = r[sl] * (2.0 * z_loss) * (m_c + logs_c)
+            a_c = a_c + zl
+            at_c = zl if at_c is None else at_c + zl
+        # p A = exp(z - m) (A / S), A / S rounded once from the sum itself (head_backward has only logs: A /
+        # exp(logs)). A exp(-logs) rounded more: where p_j W - w_j cancels (label smoothing with class weights near
+        # W / V, V = 2) it put ours at 1.2 x PyTorch's median d_input error, where A / S is at 0.9 x.
+        z.mul_((a_c / s_c)[:, None])
+        if E is not None:
+            if class_w is not None:
+                z.addcmul_(E[sl, None], class_w[None, :], value=-1.0)
+            else:
+                z.sub_(E[sl, None])
+        if C is not None:
+            # The target's column: p_t At - (1 - p_t) C - E w_t, not p_t A - C (- E w_t), which cancels.
+            d_t = -one_minus_pt(rest_c, logs_c, torch.where(ins, e_t, 0.0)) * C[sl]
+            if at_c is not None:
+                d_t = d_t + e_t * (at_c / s_c)
+            if E is not None:
+                d_t = d_t - E_t[sl]
+            z.scatter_(1, ix, torch.where(ins, d_t, z.gather(1, ix)[:, 0])[:, None])
+        if slope is not None:
+            z.mul_(slope)
+        if need_x:
+            torch.mm(z, wa, out=dx[sl])
+        if need_w:
+            if i0 == 0:
+                torch.mm(z.T, x_c, out=dw)
+            else:
+                dw.addmm_(z.T, x_c)
+        if need_b:
+            db += z.sum(dim=0)
+    del buf, slope_buf
+    per_token = ce_loss_from_stats(m, logs, zt, sw, m, valid, w_t, w_sum, eps, z_loss, V)
+    return reduce_loss(per_token, valid, w_t, reduction, ()), (dx, dw, db)
+

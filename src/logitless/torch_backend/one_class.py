@@ -1,0 +1,58 @@
+"""The closed forms of a head with a single class (V = 1), where the softmax is exactly 1."""
+
+from __future__ import annotations
+
+import torch
+
+from .._autograd import first_order_only
+from . import blocks
+from .blocks import apply_softcap, chunks
+
+
+def one_class_logits(x, w, b, softcap, inv_temp):
+    """(N,) float64 logits of a head with a single class (V = 1), differentiable with respect to x, w and b. With
+    one class the softmax is exactly 1 and lse = z, so cross-entropy, smoothing, log-probs and entropy are exactly 0
+    (only the z-loss and the log-sum-exp are not); the general paths reach those zeros only up to the rounding of a
+    recomputed logit, which leaves gradients of ~1e-7 where PyTorch's are exactly 0. Every output is a function of
+    these N values, so the closed forms work in float64 and round once, to the output's or the gradient's dtype:
+    in float32 the weight and bias gradients are sums over the rows as rounded as PyTorch's own (and a temperature
+    multiplies by a rounded 1 / T where PyTorch divides), which a sum that cancels turns into 10x PyTorch's error
+    whenever PyTorch's rounding happens to be the luckier."""
+    with torch.autocast(x.device.type, enabled=False):
+        z = _OneClassLinear.apply(x, w, b)
+        z = apply_softcap(z, softcap)
+        return z * inv_temp if inv_temp != 1.0 else z
+
+
+class _OneClassLinear(torch.autograd.Function):
+    """x W^T + b for W of one row, in float64 (a (N,) result), over chunks of rows (no float64 copy of x beyond
+    CHUNK_ELEMS elements); the backward's gradients are float64 sums, rounded once to the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        w64 = w[0].to(torch.float64)
+        z = torch.empty(x.shape[0], device=x.device, dtype=torch.float64)
+        for i0, i1 in chunks(x.shape[0], max(1, blocks.CHUNK_ELEMS // max(1, x.shape[1]))):
+            torch.mv(x[i0:i1].to(torch.float64), w64, out=z[i0:i1])
+        if b is not None:
+            z += b[0].to(torch.float64)
+        ctx.save_for_backward(x, w, b)
+        return z
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.to(torch.float64)
+        w64 = w[0].to(torch.float64)
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros(x.shape[1], device=x.device, dtype=torch.float64) if need_w else None
+        for i0, i1 in chunks(x.shape[0], max(1, blocks.CHUNK_ELEMS // max(1, x.shape[1]))):
+            if need_x:
+                dx[i0:i1] = g[i0:i1, None] * w64
+            if need_w:
+                dw.addmv_(x[i0:i1].to(torch.float64).T, g[i0:i1])
+        return (dx, None if dw is None else dw.to(w.dtype)[None, :],
+                g.sum().to(b.dtype).reshape(1) if b is not None and need_b else None)
+
