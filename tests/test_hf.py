@@ -176,7 +176,7 @@ EXPECTED_TRANSFORM = {
 def test_logit_transform_matches_the_model(kind):
     # The transform heads finds, then patch()'s loss and gradients, and score's per-token log-probs (its head on the
     # backbone's hidden states), each within the error rule of the model's own forward in float32, against float64.
-    from logitless import score
+    from logitless.apps import score
 
     name = TRANSFORMS[kind]
     assert heads.find_transform(_base(name)) == EXPECTED_TRANSFORM[name]

@@ -18,15 +18,15 @@ import logitless
 # Lowest first. A module's layer is that of its top-level name (logitless.kernels.linear_head: "kernels"); a module
 # may import its own layer and those below.
 LAYERS = (
-    ("_validate", "_files", "_autograd", "_dispatch", "testing", "vocab"),  # checks, files, autograd hygiene,
-    # oracles, a vocabulary's stored order
+    ("_validate", "_autograd", "_dispatch", "testing", "vocab"),  # checks, autograd hygiene, oracles, a
+    # vocabulary's stored order
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
     ("triton_backend",),  # the kernels as torch.library ops
     ("head",),  # the head op: backend choice, skip plan
     ("distributed",),  # vocab-parallel: the head op per shard + an exchange of the statistics
     ("linear_cross_entropy", "log_probs", "cross_entropy", "distill"),  # public ops
-    ("nn", "integrations", "score", "detect", "cli", "bench", ""),  # modules, integrations, CLIs; "": __init__
+    ("nn", "integrations", "apps", ""),  # modules, integrations, the commands; "": __init__
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Exceptions to the layer order (none: the dispatcher's table of ops with kernels is static).
@@ -115,4 +115,4 @@ def test_the_graph_is_read():
     assert "logitless.head" in GRAPH["logitless.linear_cross_entropy"]
     assert "logitless.loss_math" in GRAPH["logitless.kernels.linear_head.plans"]
     assert "logitless.kernels.linear_head" in GRAPH["logitless.triton_backend"]  # an import inside a function
-    assert "logitless.testing" in GRAPH["logitless.bench.check"]
+    assert "logitless.testing" in GRAPH["logitless.apps.bench.check"]

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("tqdm")
 
-from logitless import score  # noqa: E402
+from logitless.apps import score  # noqa: E402
 
 VOCAB = 320  # model rows; the tokenizer uses ~300 of them, as real models often leave spare rows
 CORPUS = [
@@ -397,8 +397,8 @@ def test_subprocess_writes_output_file(model_dirs, tmp_path, capsys):
     src = str(_jsonl(tmp_path, DOCS))
     out = tmp_path / "scores.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--dtype", "fp32", "--output",
-                           str(out), src],
+    proc = subprocess.run([sys.executable, "-m", "logitless.apps.cli", "score", "--model", d, "--dtype", "fp32",
+                           "--output", str(out), src],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
@@ -621,11 +621,11 @@ def test_output_that_is_an_input_is_refused(model_dirs, tmp_path, capsys, monkey
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "hard.jsonl", "soft.jsonl"]
     # Standard output appended to an input (`>> docs.jsonl`) would be read back while it is written.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(score.__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(score.__file__))))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     with open(hard, "a") as stdout:
-        proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, str(src)],
+        proc = subprocess.run([sys.executable, "-m", "logitless.apps.cli", "score", "--model", d, str(src)],
                               stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and "standard output is redirected to the input" in proc.stderr, proc.stderr
     assert src.read_bytes() == before
@@ -758,7 +758,8 @@ def test_gguf_file(model_dirs, tmp_path, capsys):
 
 
 def test_version(capsys):
-    from logitless import __version__, cli
+    from logitless import __version__
+    from logitless.apps import cli
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"logitless {__version__}\n"

@@ -15,7 +15,7 @@ import torch
 
 import logitless
 from logitless import kernels, testing
-from logitless.bench import data
+from logitless.apps.bench import data
 from logitless.kernels import linear_head as lh
 from logitless.kernels._common import INTERPRETER_SMS_FORWARD
 from logitless.kernels.linear_head import backward_kernels as lh_kernels
@@ -469,7 +469,7 @@ def test_stash_becomes_the_gradient(stash_spy):
 def test_stash_memory(tune, stash_spy):
     # Forward + backward with the stash holds one V x D buffer, the weight's gradient itself: nothing else of that
     # size (a zero "upstream gradient" of the stash output once was), beyond the small scratch.
-    from logitless.bench.measure import _cpu_peak
+    from logitless.apps.bench.measure import _cpu_peak
 
     if DEV != "cpu":
         pytest.skip("CPU allocation events")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import testing
+from ... import testing
 from .cases import JOB_OP, Inputs
 
 
@@ -128,7 +128,7 @@ def _logitless(backend: str) -> Provider:
     import logitless
 
     def unavailable(job, device):
-        from .._dispatch import resolve_backend
+        from ..._dispatch import resolve_backend
 
         try:
             got = resolve_backend(backend, device, JOB_OP[job])
@@ -161,7 +161,7 @@ def _logitless(backend: str) -> Provider:
 def _fused(job: str, inp: Inputs) -> bool:
     """linear_cross_entropy's PyTorch path takes its fused training path here (torch_backend.fused_rows): the
     gradients are computed in the forward, chunk by chunk, and the backward only scales them."""
-    from .. import torch_backend
+    from ... import torch_backend
 
     return job == "train" and torch_backend.fused_rows(inp.x, inp.w, None, None, "mean") > 0
 
@@ -221,7 +221,7 @@ _EAGER = {
 
 
 def _naive_jsd(x, w, xt, wt, t, upcast=True):
-    from ..testing import naive_two_heads
+    from ...testing import naive_two_heads
 
     return naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
 

@@ -239,7 +239,7 @@ def run_process(work: Path, variant: str, cfg: Config, steps: int) -> dict:
     out_path = work / f"{variant}.json"
     spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "logitless.bench.finetune", str(spec_path)], env=_worker_env(),
+    proc = subprocess.run([sys.executable, "-m", "logitless.apps.bench.finetune", str(spec_path)], env=_worker_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if out_path.exists():
@@ -489,7 +489,7 @@ def config_from_args(args, parser, device: str, warmup_given: bool) -> Config:
 
 
 def main(args, parser, argv, meta: dict, out: str, plots: bool, log=print) -> int:
-    from .. import _files
+    from ..files import AtomicGroup
 
     warmup_given = any(a == "--warmup" or a.startswith("--warmup=") for a in argv)
     cfg = config_from_args(args, parser, meta["device_name"], warmup_given)
@@ -501,7 +501,7 @@ def main(args, parser, argv, meta: dict, out: str, plots: bool, log=print) -> in
     print()
     print(text)
     header = f"{meta['command']}\n{meta['device']}; torch {meta['torch']}\ntext: {res['model']['text']}\n"
-    with _files.AtomicGroup() as files:
+    with AtomicGroup() as files:
         with files.open(os.path.join(out, "finetune.txt"), "w") as f:
             f.write(header + "\n" + text + "\n")
         with files.open(os.path.join(out, "finetune.md"), "w") as f:

@@ -307,7 +307,7 @@ def serves(model_V: int, model_D: int, tokens: int, N: int, D: int, V: int) -> s
         return f"real data has D = {model_D} and can only be lifted to a larger D, not to {D}"
     if N > tokens:
         return (f"real data has {tokens} tokens, fewer than N = {N}; prepare more "
-                f"(python -m logitless.bench.real --tokens N)")
+                f"(python -m logitless.apps.bench.real --tokens N)")
     return None
 
 
@@ -338,7 +338,7 @@ def describe(obj: dict, D: int) -> str:
 def _prepare_main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m logitless.bench.real",
+    ap = argparse.ArgumentParser(prog="python -m logitless.apps.bench.real",
                                  description="Prepare a real-head data file for `logitless bench --data real`.")
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS))
     ap.add_argument("--tokens", type=int, default=16384)

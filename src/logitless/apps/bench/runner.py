@@ -94,7 +94,7 @@ def _free(device):
 
 
 def ours_name(job: str, device: torch.device) -> str:
-    from .._dispatch import resolve_backend
+    from ..._dispatch import resolve_backend
 
     try:
         return f"logitless-{resolve_backend('auto', device, C.JOB_OP[job])}"

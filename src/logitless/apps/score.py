@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _files
-from ._dispatch import resolve_backend
+from .._dispatch import resolve_backend
+from . import files
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "auto": None}
@@ -394,7 +394,7 @@ class _Model:
         # kept the buffers that must stay float32 (RoPE's inv_freq) as they are; a .to(dtype) here would round
         # those too, and the positions' angles with them.
         self.model = model.to(device=self.device).eval()
-        from .integrations import heads
+        from ..integrations import heads
 
         try:
             head = heads.find_head(model)
@@ -509,7 +509,7 @@ def head_inputs(head, h: torch.Tensor):
 def head_log_probs(head, h: torch.Tensor, targets: torch.Tensor, want_entropy: bool = False, backend: str = "auto"):
     """log p(target) of the model's head at the final hidden states `h` [N, D] (and the entropy of each prediction
     when `want_entropy`), computed by linear_log_probs: no [N, V] logits."""
-    from .log_probs import linear_log_probs
+    from ..log_probs import linear_log_probs
 
     x, bias, softcap, temperature = head_inputs(head, h)
     return linear_log_probs(x, head.weight, targets, linear_bias=bias, softcap=softcap, temperature=temperature,
@@ -635,11 +635,11 @@ def check_output(args) -> None:
     """--output (or standard output) is none of the input files: refused before anything loads."""
     try:
         if args.output != "-":
-            _files.check_output(args.output, args.files, what="--output",
+            files.check_output(args.output, args.files, what="--output",
                                 no_clobber=getattr(args, "no_clobber", False))
         else:
-            _files.check_stdout(args.files)
-    except _files.OutputError as e:
+            files.check_stdout(args.files)
+    except files.OutputError as e:
         raise ScoreError(str(e)) from None
 
 
@@ -649,7 +649,7 @@ def output_sink(args):
     if args.output == "-":
         return contextlib.nullcontext(sys.stdout)
     try:
-        return _files.atomic_open(args.output, "w", no_clobber=getattr(args, "no_clobber", False), encoding="utf-8")
+        return files.atomic_open(args.output, "w", no_clobber=getattr(args, "no_clobber", False), encoding="utf-8")
     except OSError as e:
         raise ScoreError(f"cannot write --output {args.output}: {e.strerror or e}") from None
 
@@ -668,7 +668,7 @@ def _run(args) -> int:
             if totals is not None:
                 model.load()  # before the progress bar starts; standard input loads it at its first window
             stats = _score_all(args, model, window, stride, out, docs, totals)
-    except _files.OutputError as e:  # --no-clobber: the output appeared during the run
+    except files.OutputError as e:  # --no-clobber: the output appeared during the run
         raise ScoreError(str(e)) from None
     n_docs, tokens, nll_sum = stats
     if not args.quiet:

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from . import _files, score
+from . import files, score
 from .score import ScoreError
 
 # The length the Binoculars paper scores documents at (their tokens truncated to it).
@@ -102,7 +102,7 @@ def _run(args) -> int:
     n_docs = 0
     try:
         n_docs = _detect(args, sources, docs, sink, say)
-    except _files.OutputError as e:  # --no-clobber: the output appeared during the run
+    except files.OutputError as e:  # --no-clobber: the output appeared during the run
         raise ScoreError(str(e)) from None
     if not args.quiet:
         print(f"logitless detect: {n_docs} documents", file=sys.stderr)
@@ -170,8 +170,8 @@ def _write(out, docs, obs, perf, args) -> int:
 def score_batch(obs, perf, ids_list: list[list[int]], backend: str = "auto"):
     """Per document (float32 CPU tensors of its len(ids) - 1 scored tokens): the observer's NLL of each next token
     and the cross-entropy -sum_j p_perf(j) log p_obs(j) of each prediction."""
-    from .distill import linear_soft_cross_entropy
-    from .log_probs import linear_log_probs
+    from ..distill import linear_soft_cross_entropy
+    from ..log_probs import linear_log_probs
 
     B, L = len(ids_list), max(len(ids) for ids in ids_list)
     if L < 2:  # no document of the batch has a token to score: no model runs

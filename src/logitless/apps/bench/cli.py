@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from .. import _files
+from ..files import AtomicGroup, OutputError
 from . import cases as C
 from . import data, finetune, providers, report
 from .runner import Options, run
@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", action="append", metavar="KIND",
                     help=f"data kind(s): {', '.join(data.KINDS)} (default: both on a GPU, lm on a CPU)")
     ap.add_argument("--data-file", default=None, metavar="PATH",
-                    help="real data prepared by `python -m logitless.bench.real` (read with torch alone): the file, "
-                         "a folder of its PATH.partNN parts, or PATH when only PATH.partNN exist; implies --data "
-                         "real when --data is not given")
+                    help="real data prepared by `python -m logitless.apps.bench.real` (read with torch alone): the "
+                         "file, a folder of its PATH.partNN parts, or PATH when only PATH.partNN exist; implies "
+                         "--data real when --data is not given")
     ap.add_argument("--cache-dir", default=None, metavar="DIR",
                     help="where --data real without --data-file keeps the prepared data (default: $LOGITLESS_CACHE "
                          "or ~/.cache/logitless)")
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every file goes to a temporary one beside it; all are renamed into place together at the end.
     try:
         written = _write(args, result, meta, text, legend, header)
-    except _files.OutputError as e:  # --no-clobber: a file appeared in --out during the run
+    except OutputError as e:  # --no-clobber: a file appeared in --out during the run
         print(f"logitless bench: error: {e}; nothing was written", file=sys.stderr)
         return 1
     print(f"wrote {', '.join(written)} to {args.out}")
@@ -337,7 +337,7 @@ OUTPUTS = ["table.txt", "table.md", "results.json", "results.csv"]
 
 
 def _write(args, result, meta: dict, text: str, legend: str, header: str) -> list[str]:
-    with _files.AtomicGroup(no_clobber=args.no_clobber) as files:
+    with AtomicGroup(no_clobber=args.no_clobber) as files:
         with files.open(os.path.join(args.out, "table.txt"), "w") as f:
             f.write(header + "\n" + text + "\n" + legend + "\n")
         with files.open(os.path.join(args.out, "table.md"), "w") as f:
@@ -351,7 +351,7 @@ def _write(args, result, meta: dict, text: str, legend: str, header: str) -> lis
 
 
 def _finetune(args, parser, argv) -> int:
-    """--job finetune: its own machinery (bench/finetune.py), the same device, metadata and output folder."""
+    """--job finetune: its own machinery (apps/bench/finetune.py), the same device, metadata and output folder."""
     if _split(args.job) != ["finetune"]:
         parser.error("--job finetune runs alone: give it without other jobs")
     device = _device(args.device)
