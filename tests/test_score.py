@@ -25,6 +25,7 @@ tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("tqdm")
 
 from logitless.apps import score  # noqa: E402
+from logitless.apps.model import Model, Source  # noqa: E402
 
 VOCAB = 320  # model rows; the tokenizer uses ~300 of them, as real models often leave spare rows
 CORPUS = [
@@ -278,7 +279,7 @@ def _max_logit(model_dir, ids) -> float:
 def test_model_is_loaded_as_transformers_loads_it(model_dirs):
     # Parameters in the requested dtype, every buffer (RoPE's inv_freq) in the dtype from_pretrained gives it.
     d = model_dirs["llama"]
-    m = score._Model(score._Source(str(d), None), "bf16", "cpu", "torch")
+    m = Model(Source(str(d), None), "bf16", "cpu", "torch")
     m.load()
     stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert {n: b.dtype for n, b in m.model.named_buffers()} == {n: b.dtype for n, b in stock.named_buffers()}
@@ -539,14 +540,14 @@ def test_no_clobber(model_dirs, tmp_path, capsys, monkeypatch):
     assert out.read_bytes() == first
     # A file that appears while the run scores is not overwritten either.
     monkeypatch.undo()
-    real_load = score._Model.load
+    real_load = Model.load
 
     def appear(self):
         out2.write_bytes(b"theirs\n")
         return real_load(self)
 
     out2 = tmp_path / "late.jsonl"
-    monkeypatch.setattr(score._Model, "load", appear)
+    monkeypatch.setattr(Model, "load", appear)
     _fails(["--model", d, "--dtype", "fp32", "-n", src, "-o", str(out2)], capsys, "appeared during the run")
     assert out2.read_bytes() == b"theirs\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "late.jsonl", "scores.jsonl"]
@@ -646,7 +647,7 @@ def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, mo
     _fails(["--model", d, "--max-length", "4096", str(src), "-o", str(out)], capsys, "maximum positions")
     assert _tree(tmp_path) == expected
     # During scoring, after some lines were written: an error, and an interrupt.
-    real = score._Model.score
+    real = Model.score
     calls = []
 
     def fail_second(self, windows, want_entropy, exc):
@@ -656,7 +657,7 @@ def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, mo
         return real(self, windows, want_entropy)
 
     for exc, rc in ((RuntimeError("out of memory"), None), (KeyboardInterrupt(), 130)):
-        monkeypatch.setattr(score._Model, "score", lambda self, w, e, exc=exc: fail_second(self, w, e, exc))
+        monkeypatch.setattr(Model, "score", lambda self, w, e, exc=exc: fail_second(self, w, e, exc))
         argv = ["--model", d, "--dtype", "fp32", "--batch-size", "1", "--quiet", str(src), "-o", str(out)]
         if rc is None:
             with pytest.raises(RuntimeError, match="out of memory"):
