@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from logitless.apps.bench import finetune
+from logitless.apps.bench import finetune, finetune_report
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -113,5 +113,5 @@ def test_a_diverging_variant_is_refused(monkeypatch, time_failing):
     assert "at step 3" in bad["error"]
     assert ("median_ms" in bad) == time_failing  # refused: no time or memory unless asked
     assert res["variants"]["hf-compile"]["check"] == "ok" and res["variants"]["hf-compile"]["median_ms"] == 10.0
-    text = finetune.tables(res)
+    text = finetune_report.tables(res)
     assert "FAIL" in text and "diverge" in text

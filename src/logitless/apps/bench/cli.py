@@ -14,7 +14,7 @@ import torch
 
 from ..files import AtomicGroup, OutputError
 from . import cases as C
-from . import data, finetune, providers, report
+from . import data, finetune_cli, providers, report
 from .runner import Options, run
 
 DESCRIPTION = """\
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list providers, with why any cannot run here, and exit")
-    finetune.add_arguments(ap)
+    finetune_cli.add_arguments(ap)
     return ap
 
 
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return _list(_device(args.device))
     if "finetune" in _split(args.job):
         return _finetune(args, parser, argv)
-    for name in finetune.FINETUNE_ONLY:
+    for name in finetune_cli.FINETUNE_ONLY:
         if getattr(args, name) is not None:
             parser.error(f"--{name.replace('_', '-')} applies to --job finetune only")
     cases, chosen, opts = resolve(args, parser)
@@ -351,14 +351,14 @@ def _write(args, result, meta: dict, text: str, legend: str, header: str) -> lis
 
 
 def _finetune(args, parser, argv) -> int:
-    """--job finetune: its own machinery (apps/bench/finetune.py), the same device, metadata and output folder."""
+    """--job finetune: its own machinery (apps/bench/finetune*.py), the same device, metadata and output folder."""
     if _split(args.job) != ["finetune"]:
         parser.error("--job finetune runs alone: give it without other jobs")
     device = _device(args.device)
     _check_out(args.out, parser)
     meta = _meta(argv, device, [])
     meta["device_name"] = str(device)
-    return finetune.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
+    return finetune_cli.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
 
 
 def _check_out(out: str, parser) -> None:
