@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 # One definition of the relative error for tests and the benchmark gate (which cannot import tests).
-from logitless.bench.check import rel_err
+from logitless.apps.bench.check import rel_err
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

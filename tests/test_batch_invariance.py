@@ -62,7 +62,7 @@ def test_torch_path_input_gradient_does_not_depend_on_the_batch():
 
 def test_triton_forward_rows_do_not_depend_on_the_batch():
     # The kernels' partials are per fixed vocabulary chunk, whatever the split layout (which depends on N): 1, 17, 36
-    # and 100 rows give 1, 2 and 4 token blocks and three layouts (test_triton_linear.py). Under the interpreter the
+    # and 100 rows give 1, 2 and 4 token blocks and three layouts (test_triton_linear_plans.py). Under the interpreter
     # rows keep their position in a token block (subsets of whole blocks): its numpy products round a row
     # differently with its place in the tile, which the GPU's matrix instructions do not (the gpu test below moves
     # rows freely).

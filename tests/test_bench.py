@@ -10,11 +10,11 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from logitless import cli as top_cli
 from logitless import testing
-from logitless.bench import cases, check, measure, providers, svg
-from logitless.bench import cli as bench_cli
-from logitless.bench.providers import Provider, Step
+from logitless.apps import cli as top_cli
+from logitless.apps.bench import cases, check, measure, providers, svg
+from logitless.apps.bench import cli as bench_cli
+from logitless.apps.bench.providers import Provider, Step
 
 TINY = ["--shape", "40,16,300", "--no-progress", "--budget", "0.01", "--min-reps", "1", "--max-reps", "2"]
 FAST = "logitless-torch,torch-eager,floor"
@@ -72,7 +72,7 @@ def test_help_explains_every_option(capsys):
 
 
 def test_module_entry_point():
-    out = subprocess.run([sys.executable, "-m", "logitless.bench", "--list", "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "logitless.apps.bench", "--list", "--device", "cpu"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch-eager" in out.stdout and "floor" in out.stdout
@@ -116,7 +116,7 @@ def test_tiny_run_writes_table_json_csv_svg(tmp_path, capsys):
 
 
 def report_fields():
-    from logitless.bench import report
+    from logitless.apps.bench import report
 
     return report.CSV_FIELDS
 
@@ -137,7 +137,7 @@ def test_failing_provider_is_reported_and_not_timed(tmp_path, monkeypatch):
         timed.append(step)
         return real_time_step(step, *a, **kw)
 
-    monkeypatch.setattr("logitless.bench.runner.time_step", spy)
+    monkeypatch.setattr("logitless.apps.bench.runner.time_step", spy)
     wrong = Provider("wrong", "loss scaled by 1.5", {"train": lambda: _wrong_loss})
     broken = Provider("broken", "raises", {"train": lambda: _raises})
     monkeypatch.setattr(providers, "REGISTRY", [*providers.REGISTRY, wrong, broken])
@@ -327,7 +327,7 @@ def test_providers_that_run_no_case_of_a_job_exit_2(argv, unserved, capsys):
 def test_output_files_are_replaced_together_or_not_at_all(tmp_path, monkeypatch, capsys):
     # The files of a run appear only when all are written: a failure while writing them (here the CSV) leaves the
     # previous run's files byte for byte, and no temporary file behind.
-    from logitless.bench import report
+    from logitless.apps.bench import report
 
     out = tmp_path / "out"
     argv = [*TINY, "--job", "ce", "--providers", "floor", "--no-plots", "--out", str(out)]
@@ -355,7 +355,7 @@ def test_output_files_are_replaced_together_or_not_at_all(tmp_path, monkeypatch,
 def test_no_clobber_and_the_mark_of_gradients_taken_in_the_forward(tmp_path, capsys):
     # The PyTorch path's fused training path computes the gradients in its forward: its fwd+bwd split is marked,
     # and the table says why its "bwd" is tiny. --no-clobber refuses an --out that holds a run's files.
-    from logitless.bench import report
+    from logitless.apps.bench import report
 
     out = tmp_path / "out"
     argv = [*TINY, "--job", "train", "--providers", "logitless-torch,torch-eager", "--no-plots", "--no-clobber",

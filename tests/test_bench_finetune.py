@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from logitless.bench import finetune
+from logitless.apps.bench import finetune, finetune_report
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -18,7 +18,7 @@ def tiny_llama(tmp_path_factory):
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from logitless.bench import real
+    from logitless.apps.bench import real
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     prose, code, _ = real.corpus()
@@ -39,7 +39,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_finetune_job_runs_checks_and_reports(tiny_llama, tmp_path, monkeypatch):
-    from logitless.bench.cli import main
+    from logitless.apps.bench.cli import main
 
     # The variants' processes inherit it: at these sizes a second thread only waits on the first (on a busy
     # machine, OpenMP's barrier made a 32-wide matrix product take 16 ms instead of 10 us).
@@ -80,7 +80,7 @@ def test_rule_refuses_a_diverging_trajectory():
 
 
 def test_finetune_refuses_bad_options(tiny_llama, capsys):
-    from logitless.bench.cli import main
+    from logitless.apps.bench.cli import main
 
     for argv, words in ((["--job", "finetune,train"], "runs alone"),
                         (["--job", "finetune", "--providers", "nope"], "unknown finetune variant"),
@@ -113,5 +113,5 @@ def test_a_diverging_variant_is_refused(monkeypatch, time_failing):
     assert "at step 3" in bad["error"]
     assert ("median_ms" in bad) == time_failing  # refused: no time or memory unless asked
     assert res["variants"]["hf-compile"]["check"] == "ok" and res["variants"]["hf-compile"]["median_ms"] == 10.0
-    text = finetune.tables(res)
+    text = finetune_report.tables(res)
     assert "FAIL" in text and "diverge" in text

@@ -9,8 +9,8 @@ import torch
 
 import logitless
 from logitless import testing
-from logitless.bench import cli as bench_cli
-from logitless.bench import data, real
+from logitless.apps.bench import cli as bench_cli
+from logitless.apps.bench import data, real
 from tests.helpers import check_against_truth
 
 
@@ -196,7 +196,7 @@ def test_real_sorted_is_the_same_problem_in_mass_order(tmp_path):
     data._loaded.clear()
 
 
-# Gemma 3 270M's head with its hidden states on the standard-library text (python -m logitless.bench.real),
+# Gemma 3 270M's head with its hidden states on the standard-library text (python -m logitless.apps.bench.real),
 # N = 256 tokens at 4 places of the 16384 (0, 4096, 8192, 12288), 128 x 256 pairs: the smallest and largest
 # figure in percent, per order: cold, skip at 2^-12, 2^-8, 2^-6; entropy and loss in nats.
 REAL_256 = {

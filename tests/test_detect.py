@@ -15,7 +15,7 @@ from tests.helpers import assert_within_rule
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from logitless import cli, detect  # noqa: E402
+from logitless.apps import cli, detect  # noqa: E402
 
 VOCAB = 300
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Language models assign a probability to every token.",

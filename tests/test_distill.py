@@ -342,7 +342,7 @@ def test_bad_inputs():
 
 def test_bench_distill_job(tmp_path):
     # the bench's distill job: the correctness gate passes for ours and the eager peer, and the run is timed
-    from logitless.bench import cli as bench_cli
+    from logitless.apps.bench import cli as bench_cli
 
     out = tmp_path / "out"
     argv = ["--job", "distill", "--shape", "40,16,300", "--no-progress", "--budget", "0.01", "--min-reps", "1",

@@ -66,7 +66,7 @@ def test_no_citations_a_reader_cannot_follow():
 
 
 # A path into the package, the tools or the tests, as documents and comments name them.
-_NAMED_PATH = re.compile(r"(?<![\w/.])((?:src/logitless/|logitless/)?(?:kernels|integrations|bench|tools|tests)"
+_NAMED_PATH = re.compile(r"(?<![\w/.])((?:src/logitless/|logitless/)?(?:kernels|integrations|apps|bench|tools|tests)"
                          r"/[\w/]+\.py|src/logitless/\w+\.py)")
 
 

@@ -114,7 +114,7 @@ def test_hf_extra_scores_a_gguf_file(tmp_path):
     out = tmp_path / "scores.jsonl"
     view = _view("hf", tmp_path / "hf")
     argv = ["score", "--model", str(gguf_file), "--format", "lines", "--dtype", "fp32", str(docs), "-o", str(out)]
-    proc = _run_in(view, f"import sys; from logitless import cli; sys.exit(cli.main({argv!r}))")
+    proc = _run_in(view, f"import sys; from logitless.apps import cli; sys.exit(cli.main({argv!r}))")
     assert proc.returncode == 0, proc.stderr
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 2 and '"nll": ' in lines[0] and '"nll": null' not in lines[0], lines
@@ -126,7 +126,7 @@ def test_bench_extra_runs_a_bench(tmp_path):
     view = _view("bench", tmp_path / "bench")
     argv = ["bench", "--job", "train", "--shape", "64,32,256", "--providers", "logitless-torch,torch-eager",
             "--min-reps", "1", "--max-reps", "1", "--warmup", "1", "--out", str(tmp_path / "out")]
-    proc = _run_in(view, f"import sys; from logitless import cli; sys.exit(cli.main({argv!r}))")
+    proc = _run_in(view, f"import sys; from logitless.apps import cli; sys.exit(cli.main({argv!r}))")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "results.json").exists()
 

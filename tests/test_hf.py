@@ -176,7 +176,7 @@ EXPECTED_TRANSFORM = {
 def test_logit_transform_matches_the_model(kind):
     # The transform heads finds, then patch()'s loss and gradients, and score's per-token log-probs (its head on the
     # backbone's hidden states), each within the error rule of the model's own forward in float32, against float64.
-    from logitless import score
+    from logitless.apps.model import head_log_probs
 
     name = TRANSFORMS[kind]
     assert heads.find_transform(_base(name)) == EXPECTED_TRANSFORM[name]
@@ -192,7 +192,7 @@ def test_logit_transform_matches_the_model(kind):
     head = heads.find_head(model)
     with torch.no_grad():
         hidden = head.backbone(**kw).last_hidden_state[:, :-1].reshape(-1, head.weight.shape[1])
-        ours = score.head_log_probs(head, hidden, targets, backend="torch")
+        ours = head_log_probs(head, hidden, targets, backend="torch")
         assert_within_rule(f"{name} log-probs", ours, own(torch.float32), own(torch.float64))
 
 

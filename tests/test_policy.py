@@ -8,7 +8,7 @@ import torch
 
 import logitless
 from logitless import loss_math, testing, torch_backend
-from logitless.bench.measure import _cpu_peak
+from logitless.apps.bench.measure import _cpu_peak
 from logitless.kernels import current_tuning
 from logitless.kernels import linear_head as lh
 from logitless.kernels.linear_head import plans as lh_plans

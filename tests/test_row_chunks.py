@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import testing
-from logitless.kernels.linear_head import plans
+from logitless.kernels.linear_head import plans, row_chunk_plan
 from tests.helpers import assert_within_rule, check_against_truth, leaves, make_case
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +33,7 @@ def rows(tune, monkeypatch):
 
     def set_budget(f32=False):
         budget = 56 * PER_ROW + (4 * 300 * 45 if f32 else 0)
-        monkeypatch.setattr(plans, "row_chunk_budget", lambda N, V: budget)
+        monkeypatch.setattr(row_chunk_plan, "row_chunk_budget", lambda N, V: budget)
     set_budget()
     return set_budget
 

@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("tqdm")
 
-from logitless import score  # noqa: E402
+from logitless.apps import score  # noqa: E402
+from logitless.apps.model import Model, Source  # noqa: E402
 
 VOCAB = 320  # model rows; the tokenizer uses ~300 of them, as real models often leave spare rows
 CORPUS = [
@@ -278,7 +279,7 @@ def _max_logit(model_dir, ids) -> float:
 def test_model_is_loaded_as_transformers_loads_it(model_dirs):
     # Parameters in the requested dtype, every buffer (RoPE's inv_freq) in the dtype from_pretrained gives it.
     d = model_dirs["llama"]
-    m = score._Model(score._Source(str(d), None), "bf16", "cpu", "torch")
+    m = Model(Source(str(d), None), "bf16", "cpu", "torch")
     m.load()
     stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert {n: b.dtype for n, b in m.model.named_buffers()} == {n: b.dtype for n, b in stock.named_buffers()}
@@ -397,8 +398,8 @@ def test_subprocess_writes_output_file(model_dirs, tmp_path, capsys):
     src = str(_jsonl(tmp_path, DOCS))
     out = tmp_path / "scores.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, "--dtype", "fp32", "--output",
-                           str(out), src],
+    proc = subprocess.run([sys.executable, "-m", "logitless.apps.cli", "score", "--model", d, "--dtype", "fp32",
+                           "--output", str(out), src],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
@@ -539,14 +540,14 @@ def test_no_clobber(model_dirs, tmp_path, capsys, monkeypatch):
     assert out.read_bytes() == first
     # A file that appears while the run scores is not overwritten either.
     monkeypatch.undo()
-    real_load = score._Model.load
+    real_load = Model.load
 
     def appear(self):
         out2.write_bytes(b"theirs\n")
         return real_load(self)
 
     out2 = tmp_path / "late.jsonl"
-    monkeypatch.setattr(score._Model, "load", appear)
+    monkeypatch.setattr(Model, "load", appear)
     _fails(["--model", d, "--dtype", "fp32", "-n", src, "-o", str(out2)], capsys, "appeared during the run")
     assert out2.read_bytes() == b"theirs\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "late.jsonl", "scores.jsonl"]
@@ -621,11 +622,11 @@ def test_output_that_is_an_input_is_refused(model_dirs, tmp_path, capsys, monkey
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "hard.jsonl", "soft.jsonl"]
     # Standard output appended to an input (`>> docs.jsonl`) would be read back while it is written.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(score.__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(score.__file__))))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     with open(hard, "a") as stdout:
-        proc = subprocess.run([sys.executable, "-m", "logitless.cli", "score", "--model", d, str(src)],
+        proc = subprocess.run([sys.executable, "-m", "logitless.apps.cli", "score", "--model", d, str(src)],
                               stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and "standard output is redirected to the input" in proc.stderr, proc.stderr
     assert src.read_bytes() == before
@@ -646,7 +647,7 @@ def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, mo
     _fails(["--model", d, "--max-length", "4096", str(src), "-o", str(out)], capsys, "maximum positions")
     assert _tree(tmp_path) == expected
     # During scoring, after some lines were written: an error, and an interrupt.
-    real = score._Model.score
+    real = Model.score
     calls = []
 
     def fail_second(self, windows, want_entropy, exc):
@@ -656,7 +657,7 @@ def test_failed_run_leaves_the_output_untouched(model_dirs, tmp_path, capsys, mo
         return real(self, windows, want_entropy)
 
     for exc, rc in ((RuntimeError("out of memory"), None), (KeyboardInterrupt(), 130)):
-        monkeypatch.setattr(score._Model, "score", lambda self, w, e, exc=exc: fail_second(self, w, e, exc))
+        monkeypatch.setattr(Model, "score", lambda self, w, e, exc=exc: fail_second(self, w, e, exc))
         argv = ["--model", d, "--dtype", "fp32", "--batch-size", "1", "--quiet", str(src), "-o", str(out)]
         if rc is None:
             with pytest.raises(RuntimeError, match="out of memory"):
@@ -758,7 +759,8 @@ def test_gguf_file(model_dirs, tmp_path, capsys):
 
 
 def test_version(capsys):
-    from logitless import __version__, cli
+    from logitless import __version__
+    from logitless.apps import cli
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"logitless {__version__}\n"

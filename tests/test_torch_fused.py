@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import loss_math, testing, torch_backend
-from logitless.bench.measure import _cpu_peak
+from logitless.apps.bench.measure import _cpu_peak
 from tests.helpers import V, check_against_truth, leaves, make_case
 
 lce = functools.partial(logitless.linear_cross_entropy, backend="torch")

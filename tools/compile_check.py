@@ -62,7 +62,7 @@ def record(shapes, dtypes, configs, two_configs) -> list:
 
     import logitless
     from logitless import kernels
-    from logitless.bench.cases import DTYPES
+    from logitless.apps.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
 
     seen, out = set(), []
@@ -215,7 +215,7 @@ def main():
         # The kernels must import as compilable functions here: run again without the interpreter.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
-    from logitless.bench.cases import DTYPES
+    from logitless.apps.bench.cases import DTYPES
     from logitless.kernels import linear_head as lh
     from logitless.kernels import two_heads
 

@@ -6,14 +6,14 @@
 The model is Gemma 3 270M as transformers loads its GGUF file (Q4_K_M blocks dequantized to float32; vocabulary
 262144, D = 640, the head tied to the token embedding), in float32 and train() mode. The batch is one sequence of
 --tokens tokens of real text (the docstrings and source of the Python standard library that runs this, as
-`logitless.bench.real` reads them), labels = inputs, so transformers shifts them as in training. One step is
+`logitless.apps.bench.real` reads them), labels = inputs, so transformers shifts them as in training. One step is
 `model(input_ids, labels).loss.backward()` with every parameter's gradient freshly allocated (set to None before).
 
 Per round, in an order that alternates between rounds, one step of the stock model and one of the patched model
 (`logitless.patch(model)` on the same instance, `logitless.unpatch` after): the median and minimum over rounds, and
 their ratio. On a shared machine the other processes' load moves every number: only the ratios within one run
 mean much. Peak memory (once per variant, after the timing): PyTorch's profiler's CPU allocator events, as
-`logitless bench` measures them (logitless.bench.measure), from the start of the step to its end, parameters not
+`logitless bench` measures them (logitless.apps.bench.measure), from the start of the step to its end, parameters not
 counted, their gradients counted. --profile prints the ten most expensive operators of each variant's step.
 """
 
@@ -27,8 +27,8 @@ import time
 import torch
 
 import logitless
-from logitless.bench import real
-from logitless.bench.measure import _cpu_peak
+from logitless.apps.bench import real
+from logitless.apps.bench.measure import _cpu_peak
 
 
 def load(tokens: int):

@@ -5,13 +5,13 @@
 To compare two versions of the package, run it once per source tree (`git archive REV src | tar -x -C old`, then
 `PYTHONPATH=old/src`), one after the other, and compare the ratios to eager.
 
-float32, lm-like data (logitless.bench.data), mean loss. Per round, in an order that alternates between rounds:
+float32, lm-like data (logitless.apps.bench.data), mean loss. Per round, in an order that alternates between rounds:
 fwd+bwd and no-grad forward of linear_cross_entropy(backend="torch"), of eager PyTorch (x @ W.T, then
 F.cross_entropy), and with --generic of the path without its fused training path and
 with the backward's block size in the forward (float32 torch_backend.py as it was before both). Prints the median
 and the minimum of each, and their ratios to eager: on a shared machine the other processes' load moves every
 number, so only ratios within one run mean much.
-Peak memory (once, after the timing): PyTorch's profiler's CPU allocator events (logitless.bench.measure, as
+Peak memory (once, after the timing): PyTorch's profiler's CPU allocator events (logitless.apps.bench.measure, as
 `logitless bench` does), above the inputs and minus the gradients returned.
 """
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from logitless.bench import data
-from logitless.bench.measure import _cpu_peak
+from logitless.apps.bench import data
+from logitless.apps.bench.measure import _cpu_peak
 
 
 def main() -> None:

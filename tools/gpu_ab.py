@@ -45,8 +45,8 @@ from gpu_linear import SHAPES, head_steps  # tools/, next to this file
 import logitless._dispatch
 import logitless.kernels
 from logitless import kernels
-from logitless.bench import data
-from logitless.bench.measure import event_ms
+from logitless.apps.bench import data
+from logitless.apps.bench.measure import event_ms
 
 MODULE = "logitless.kernels.linear_head"
 CE_SHAPES = ((16384, 128256), (8192, 256000))

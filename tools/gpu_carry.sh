@@ -27,7 +27,7 @@ case "$cmd" in
     dest=${1:?split needs DEST}
     gguf=${2:-}
     if [ -z "$gguf" ]; then
-      gguf=$(python3 -c 'from logitless.bench import real; print(real.gguf_path("gemma3-270m"))')
+      gguf=$(python3 -c 'from logitless.apps.bench import real; print(real.gguf_path("gemma3-270m"))')
     fi
     mkdir -p "$dest/whl"
     rm -f "$dest"/model.gguf.part*

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.bench.measure import event_ms
+from logitless.apps.bench.measure import event_ms
 from logitless.kernels import cross_entropy as kce
 
 

@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from logitless import kernels
-from logitless.bench.measure import event_ms
+from logitless.apps.bench.measure import event_ms
 from logitless.kernels import cross_entropy as kce
 
 

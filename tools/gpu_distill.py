@@ -22,8 +22,8 @@ import torch
 
 import logitless
 from logitless import testing
-from logitless.bench import cases, data
-from logitless.bench.check import rule_line
+from logitless.apps.bench import cases, data
+from logitless.apps.bench.check import rule_line
 from logitless.kernels import tuning, two_heads
 
 _TUNED = contextlib.ExitStack()

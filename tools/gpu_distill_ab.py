@@ -20,7 +20,7 @@ import torch
 
 def main(argv=None):
     import logitless
-    from logitless.bench import data
+    from logitless.apps.bench import data
     from logitless.kernels import tuning
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

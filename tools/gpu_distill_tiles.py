@@ -20,7 +20,7 @@ import torch
 
 import logitless
 from logitless import loss_math
-from logitless.bench import cases, data
+from logitless.apps.bench import cases, data
 from logitless.kernels import linear_head as lh
 from logitless.kernels import tuning, two_heads
 

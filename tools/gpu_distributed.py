@@ -52,10 +52,10 @@ import torch.distributed as dist  # noqa: E402
 import logitless  # noqa: E402
 import logitless.distributed  # noqa: E402
 from logitless import testing  # noqa: E402
-from logitless.bench import data  # noqa: E402
-from logitless.bench.check import rel_err as rel  # noqa: E402
-from logitless.bench.check import rule_line as rule  # noqa: E402
-from logitless.bench.measure import event_ms, peak_extra_mib  # noqa: E402
+from logitless.apps.bench import data  # noqa: E402
+from logitless.apps.bench.check import rel_err as rel  # noqa: E402
+from logitless.apps.bench.check import rule_line as rule  # noqa: E402
+from logitless.apps.bench.measure import event_ms, peak_extra_mib  # noqa: E402
 
 SHAPES = {
     "llama3-8b": (16384, 4096, 128256),

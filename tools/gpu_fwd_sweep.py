@@ -22,8 +22,8 @@ import statistics
 import torch
 
 import logitless
-from logitless.bench.cases import parse_shape
-from logitless.bench.measure import event_ms
+from logitless.apps.bench.cases import parse_shape
+from logitless.apps.bench.measure import event_ms
 from logitless.kernels import linear_head as lh
 from logitless.kernels import tuning
 

@@ -23,7 +23,7 @@ import torch
 
 import logitless
 from logitless import testing
-from logitless.bench import data
+from logitless.apps.bench import data
 
 
 class Head(torch.nn.Module):

@@ -27,7 +27,7 @@ import time
 import torch
 
 import logitless
-from logitless.bench import data
+from logitless.apps.bench import data
 
 
 def _busy(ms: float):

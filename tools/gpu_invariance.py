@@ -25,7 +25,7 @@ from precision_table import table
 
 import logitless
 from logitless import kernels
-from logitless.bench import data
+from logitless.apps.bench import data
 
 SIZES = (1, 3, 17, 256, 1000, 4096)
 

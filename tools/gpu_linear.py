@@ -3,7 +3,7 @@
     PYTHONPATH=src python tools/gpu_linear.py [--shapes gemma2-2b,llama3-8b,mistral-nemo,qwen3-small]
         [--kinds lm,uniform] [--reps 10] [--check-rows 1024] [--variants] [--extra] [--json FILE]
 
-For each shape (N, D, V) and data kind (logitless.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
+For each shape (N, D, V) and data kind (logitless.apps.bench.data: "lm" = peaked softmax, Zipf targets, ~2.5 nats;
 "uniform" = the head at initialisation), in bfloat16:
 - check: on the first --check-rows tokens (full D and V), the loss and d_input / d_weight of
   linear_cross_entropy (mean, 10% ignored tokens) and log-probs + entropy (temperature 0.9, random upstream) of
@@ -35,11 +35,11 @@ import triton
 
 import logitless
 from logitless import testing
-from logitless.bench import data
-from logitless.bench.cases import GPU_DEFAULT_PRESETS, PRESETS
-from logitless.bench.check import rel_err as rel
-from logitless.bench.check import rule_line as rule
-from logitless.bench.measure import event_ms, peak_extra_mib
+from logitless.apps.bench import data
+from logitless.apps.bench.cases import GPU_DEFAULT_PRESETS, PRESETS
+from logitless.apps.bench.check import rel_err as rel
+from logitless.apps.bench.check import rule_line as rule
+from logitless.apps.bench.measure import event_ms, peak_extra_mib
 from logitless.kernels import current_tuning, tuning
 from logitless.kernels import linear_head as lh
 

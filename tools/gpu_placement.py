@@ -10,7 +10,7 @@ Plans: `default` (workspace_bytes=None), `ws` (4 N D + 256 MiB), `lean` (0), `te
 bf16 logits, N V / 5 bytes), `fifth` (16 MiB or 2 N V / 5 bytes), `acc16` / `acc64` (4 N D + 16 / 64 MiB: the float32
 dx accumulator and a scratch). Per placement: torch.cuda.empty_cache(), a padding
 tensor of PAD MiB + 4 KiB, one warm-up call per plan, then the median of --reps calls (CUDA events around each).
-Each plan's peak memory above inputs and gradients is measured once per shape. bf16, logitless.bench.data "lm"
+Each plan's peak memory above inputs and gradients is measured once per shape. bf16, logitless.apps.bench.data "lm"
 heads.
 """
 
@@ -27,8 +27,8 @@ PADS_MIB = (0, 1, 7, 64, 130, 333, 1000, 2049)
 
 def main(argv=None):
     import logitless
-    from logitless.bench import data
-    from logitless.bench.cases import PRESETS
+    from logitless.apps.bench import data
+    from logitless.apps.bench.cases import PRESETS
 
     shapes = {**PRESETS, "qwen-7b": (16384, 3584, 151655), "gpt2": (16384, 768, 50257)}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

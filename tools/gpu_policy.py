@@ -5,7 +5,7 @@ workspace setting, next to torch.compile and cuBLAS's products, every provider i
         [--kind lm] [--no-compile] [--json FILE]
     PYTHONPATH=src python tools/gpu_policy.py --smoke      # tiny shapes on the CPU (Triton interpreter): it runs
 
-Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
+Per shape (bf16, logitless.apps.bench.data, "lm" by default), on the same tensors:
   lean     workspace_bytes=0: the leanest plan (8 MiB scratch, the dx accumulator in dW's last rows, second pass)
   default  workspace_bytes=None: the default policy, max(2 N V / 5, 4 N D + 16 MiB) bytes (plans.default_budget)
   borrow   (where the default buys the float32 dx accumulator its own buffer) the same budget with the accumulator
@@ -19,7 +19,7 @@ Per shape (bf16, logitless.bench.data, "lm" by default), on the same tensors:
 Each round times every provider `--reps` times, in an order that alternates between rounds (the GPU runs at its
 power limit: a provider timed right after another sees other clocks); the table gives the median over all calls
 (CUDA events around one call each). Peak extra memory: torch.cuda.max_memory_allocated() during one call above the
-allocation before it, minus the gradients it returns (logitless.bench.measure.peak_extra_mib). Before timing, the
+allocation before it, minus the gradients it returns (logitless.apps.bench.measure.peak_extra_mib). Before timing, the
 loss of each logitless setting is compared with the lean plan's, and its gradients too (largest difference relative
 to the largest entry; the settings sum in different orders, so a few ulp of bf16 are expected, not zero).
 The policy's choice per shape (budget, own accumulator, scratch, stashed classes) is printed first.
@@ -39,7 +39,7 @@ import time
 
 def _shapes():
     # The bench's presets where they agree; gpt2 at the 16384 tokens, and the two shapes the bench lacks.
-    from logitless.bench.cases import PRESETS
+    from logitless.apps.bench.cases import PRESETS
 
     names = ("gemma2-2b", "llama3-8b", "mistral-nemo", "qwen3-small")
     return {"gpt2": (16384, 768, 50257), **{n: PRESETS[n] for n in names},
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
 
     import logitless
     from logitless import kernels, loss_math
-    from logitless.bench import data
-    from logitless.bench.measure import peak_extra_mib
+    from logitless.apps.bench import data
+    from logitless.apps.bench.measure import peak_extra_mib
     from logitless.kernels import linear_head as lh
     from logitless.kernels.linear_head import plans
 
@@ -120,14 +120,14 @@ def main(argv=None) -> int:
     def peak_mib(fn, inputs) -> float:
         if cuda:
             return peak_extra_mib(fn, inputs)
-        from logitless.bench.measure import _cpu_peak, output_bytes
+        from logitless.apps.bench.measure import _cpu_peak, output_bytes
 
         peak, out = _cpu_peak(fn)
         return (peak - output_bytes(out, inputs)) / 2**20
 
     compiled = None
     if not args.no_compile:
-        from logitless.bench.providers import by_name
+        from logitless.apps.bench.providers import by_name
 
         compiled = by_name()["torch-compile"].fn("train")
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}; torch {torch.__version__}"

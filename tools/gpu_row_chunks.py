@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import kernels, testing
-from logitless.bench import data
-from logitless.bench.check import rel_err
-from logitless.bench.measure import event_ms
+from logitless.apps.bench import data
+from logitless.apps.bench.check import rel_err
+from logitless.apps.bench.measure import event_ms
 from logitless.kernels.linear_head import plans
 
 SHAPES = ("8192x4096x128256", "16384x4096x128256", "8192x2560x262144", "16384x3584x151655", "16384x768x50257")

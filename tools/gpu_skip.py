@@ -23,7 +23,7 @@ import torch
 
 import logitless
 from logitless import kernels
-from logitless.bench import data
+from logitless.apps.bench import data
 
 
 def _time(fn, reps):

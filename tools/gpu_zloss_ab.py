@@ -14,7 +14,7 @@ import statistics
 import torch
 
 import logitless
-from logitless.bench import data
+from logitless.apps.bench import data
 
 
 def main():

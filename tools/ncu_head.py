@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import logitless
-from logitless.bench import data
+from logitless.apps.bench import data
 
 
 def main():

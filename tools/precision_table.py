@@ -1,7 +1,7 @@
 """Per-token precision of log-probs and entropy against float64: logitless, PyTorch on bf16 logits, PyTorch with a
 float32 head (bf16 weights and hidden states upcast to float32), on a real head (docs/rl.md).
 
-    python -m logitless.bench.real --model gemma3-270m --tokens 2048 --out gemma.pt     # once (docs/data.md)
+    python -m logitless.apps.bench.real --model gemma3-270m --tokens 2048 --out gemma.pt     # once (docs/data.md)
     PYTHONPATH=src python tools/precision_table.py --data-file gemma.pt [--tokens 1024] [--device cpu|cuda]
         [--json FILE]
 
@@ -19,7 +19,7 @@ import json
 import torch
 
 import logitless
-from logitless.bench import real
+from logitless.apps.bench import real
 
 ROWS = 128  # rows per float64 / PyTorch block (their V-wide logits)
 
@@ -76,7 +76,7 @@ def table(x32, w32, t, device, dtypes):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data-file", required=True, help="a prepared real head (python -m logitless.bench.real)")
+    ap.add_argument("--data-file", required=True, help="a prepared real head (python -m logitless.apps.bench.real)")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--json", default=None)

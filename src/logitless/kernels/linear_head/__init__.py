@@ -47,10 +47,11 @@ dz kernel returns at once on a cold pair, and both products walk only the hot
 pairs (a list per token block and per tile, built on the device).
 
 Modules, in the order a call goes through them: launch (the two launchers; the backward's buffer aliasing rules are
-in launch._Backward's docstring), plans (vocabulary splits, workspaces, chunks, stash and skip plans: shapes in,
-numbers out), configs (tiles per architecture), forward_kernels and backward_kernels (the @triton.jit kernels),
-tiles (device functions both share), products (the gradient products through cuBLAS). The knobs that tests and tools
-change are fields of kernels.Tuning, read at each launch.
+in launch._Backward's docstring), plans (workspaces, chunks, stash and skip plans: shapes in, numbers out),
+forward_layout and row_chunk_plan (the forward's vocabulary splits and the row-chunk plan, planned apart), configs
+(tiles per architecture), forward_kernels and backward_kernels (the @triton.jit kernels), tiles (device functions
+both share), products (the gradient products through cuBLAS), row_chunks (the row-chunk plan's launcher). The knobs
+that tests and tools change are fields of kernels.Tuning, read at each launch.
 """
 
 from .._common import new_buffer as _new  # noqa: F401 - the Triton op allocates its outputs with it

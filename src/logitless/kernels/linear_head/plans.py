@@ -2,18 +2,18 @@
 kernels walk the vocabulary and where the backward's workspaces live. Nothing here launches a Triton kernel or
 synchronises with the host.
 
-- _fwd_layout: the forward's vocabulary splits per token block;
+- _fwd_layout (forward_layout.py): the forward's vocabulary splits per token block;
 - _workspace: how the backward spends a budget of workspace_bytes (scratch size, an own dx accumulator or not);
 - _plan, _first_pass, _second_pass: where each vocabulary chunk's dL/dz and the float32 dx accumulator live, inside
   gradient buffers not written yet (the aliasing rules: see launch._Backward);
 - stash_layout: where the forward may keep logits for the backward, inside the weight gradient's buffer;
 - skip_plan, vocab_order: which (token block, tile) pairs the backward may skip, and an order of the vocabulary
   that gathers frequent classes into the same tiles.
+- row_chunk_plan (row_chunk_plan.py): the row-chunk plan, full rows of logits per chunk within a budget.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -22,7 +22,14 @@ from ...loss_math import default_workspace_bytes
 from .._common import cdiv, new_buffer
 from .._tuning import current_tuning
 from .configs import Config, config_for
+from .forward_layout import _fwd_layout  # noqa: F401 - planned apart, read as plans._fwd_layout
 from .products import _torch_products
+from .row_chunk_plan import (  # noqa: F401 - planned apart, read as plans.<name>
+    ROW_CHUNK_LOGITS_DIVISOR,
+    RowChunkPlan,
+    row_chunk_budget,
+    row_chunk_plan,
+)
 
 
 def skip_supported(x: torch.Tensor) -> bool:
@@ -161,62 +168,6 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         row_bound,
         rows,
     )
-
-
-@functools.lru_cache(maxsize=1024)
-def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) -> tuple[int, int, int, int]:
-    """Vocabulary splits of the forward: (n_big, tiles_big, n_small, tiles_small). Every token block's tiles are
-    cut the same way: n_big splits of tiles_big, then the remaining tiles in n_small splits of tiles_small (the
-    last one shorter). The n_blocks * n_big programs of the first phase run before those of the second.
-
-    One program per multiprocessor runs at a time, so with equal splits the last wave leaves most of the GPU idle
-    while a few programs finish (3-4% of the forward at the issue shapes, 6-12% at smaller ones). Here the first
-    phase is sized to end, on the busiest multiprocessors, at the even share of all tiles, and the second phase's
-    short programs fill the others up to it; what is left is about half a short program. A split count keeps about
-    sms / 2 programs on one group of token blocks at a time (their x blocks and W tiles shared in L2), and at most
-    max(sms / (2 group), 2 waves sms / n_blocks) + 32 splits keep the partials small (float32 per row and split). The
-    plan is estimated in tiles (each program also costs ~0.1 tile: its first loads and its partial stores), and
-    taken only where it beats the equal splits of `waves` programs per multiprocessor."""
-    total = n_blocks * n_vtiles
-    share = total / sms
-    g = min(group, n_blocks)
-    n_lo = max(1, min(n_vtiles, cdiv(sms, 2 * g)))
-    want = max(1, min(n_vtiles, round(waves * sms / n_blocks)))
-
-    def estimate(n_big, a, n_small, b):
-        programs = n_blocks * (n_big + n_small)
-        if n_small == 0:  # equal splits (the last may be shorter): the waves of the first phase alone
-            end = cdiv(programs, sms) * a
-        else:
-            rounds = cdiv(n_blocks * n_big, sms)
-            end = max(rounds * a, share) + b / 2
-        return end + 0.1 * programs / sms + 1e-3 * (n_big + n_small)
-
-    # Equal splits of a tiles (the last one shorter, as a second phase of one split).
-    a = cdiv(n_vtiles, want)
-    best = (estimate(cdiv(n_vtiles, a), a, 0, 0), n_vtiles // a, a, int(n_vtiles % a > 0), n_vtiles % a)
-    # First-phase split counts: the few above n_lo, and those that make the first phase about k full waves.
-    hi = max(n_lo, 2 * want)
-    counts = set(range(n_lo, min(hi, n_lo + 16) + 1))
-    for k in range(1, 65):
-        counts.update((k * sms // n_blocks, cdiv(k * sms, n_blocks)))
-    max_small = min(2 * n_lo, 32)
-    for n_big in sorted(c for c in counts if n_lo <= c <= hi):
-        rounds = cdiv(n_blocks * n_big, sms)
-        a = min(n_vtiles // n_big, int(total // (sms * rounds)))
-        if a < 1:
-            break
-        rest = n_vtiles - n_big * a
-        if rest == 0:
-            cand = [(n_big, a, 0, 0)]
-        else:
-            b_min = cdiv(rest, max_small)
-            cand = [(n_big, a, cdiv(rest, b), b) for b in range(b_min, min(rest, b_min + 8) + 1)]
-        for c in cand:
-            e = estimate(*c)
-            if e < best[0]:
-                best = (e, *c)
-    return best[1:]
 
 
 class StashLayout(NamedTuple):
@@ -473,66 +424,3 @@ def _first_pass(N: int, V: int, D: int, cfg: Config, plan: _Plan, aligned: bool,
                 chunks.append((v0, v1, v1 * D if wide else None, False))
             v0 = v1
     return chunks
-
-
-# The row-chunk plan's default budget: half of what the N x V logits take in bf16 (2 N V bytes, about
-# torch.compile's peak for this loss), so that it stays at most half of that peak.
-ROW_CHUNK_LOGITS_DIVISOR = 2
-
-
-class RowChunkPlan(NamedTuple):
-    """The row-chunk plan of a reduced loss with a gradient wanted (row_chunks.forward_with_grads): chunks of `rows`
-    rows (the last one shorter) hold their full row of bf16 logits, `ld` elements apart (V rounded up to 8: 16-byte
-    rows for cuBLAS), become dL/dz in place and go into dx_c = dz W and dW += dz^T x_c; `f32_dw`: dW is accumulated
-    in a float32 buffer of its own (one rounding), else in its bf16 output (one rounding per chunk)."""
-    rows: int
-    chunks: int
-    ld: int
-    f32_dw: bool
-
-
-def row_chunk_budget(N: int, V: int) -> int:
-    """The row-chunk plan's default budget in bytes: half of the bf16 N x V logits."""
-    return 2 * N * V // ROW_CHUNK_LOGITS_DIVISOR
-
-
-def row_chunk_plan(N: int, V: int, D: int, dtype: torch.dtype, need_dw: bool, workspace_bytes: int | None
-                   ) -> RowChunkPlan | None:
-    """The row-chunk plan for these shapes, or None where the column plan (forward statistics, backward by vocabulary
-    chunks, the stash) is taken: Tuning.row_chunks False; not bfloat16; under Tuning.row_chunk_min_d features
-    (policy; Tuning.row_chunks=True skips that test only); a budget (workspace_bytes, default row_chunk_budget) that
-    holds no chunk of min(N, Tuning.row_chunk_min_rows) rows, or only more than Tuning.row_chunk_max_bf16 of them with
-    a bf16 weight-gradient accumulator. A float32 accumulator (4 V D bytes of the budget) is taken where it leaves at
-    most one chunk more than without it. Shapes and dtypes only: no host sync."""
-    tune = current_tuning()
-    if tune.row_chunks is False or dtype != torch.bfloat16 or N <= 0 or D <= 0 or V < 2:
-        return None
-    if tune.row_chunks is None and D < tune.row_chunk_min_d:
-        return None
-    budget = row_chunk_budget(N, V) if workspace_bytes is None else workspace_bytes
-    if budget <= tune.scratch_bytes:  # the leanest plan
-        return None
-    ld = cdiv(V, 8) * 8
-    min_rows = min(N, tune.row_chunk_min_rows)
-
-    # Bytes per row of a chunk: its bf16 logits, and with an unaligned vocabulary its float32 dx rows
-    # (row_chunks._split).
-    per_row = 2 * ld + (4 * D if V % 8 else 0)
-
-    def chunking(room):
-        most = room // per_row
-        if most < min_rows:
-            return None
-        k = cdiv(N, most)
-        rows = cdiv(N, k)
-        if cdiv(rows, 8) * 8 <= most:
-            rows = cdiv(rows, 8) * 8
-        return rows, cdiv(N, rows)
-
-    bf16 = chunking(budget)
-    f32 = chunking(budget - 4 * V * D) if need_dw and tune.row_chunk_f32_dw is not False else None
-    if f32 is not None and (bf16 is None or f32[1] <= bf16[1] + 1):
-        return RowChunkPlan(f32[0], f32[1], ld, True)
-    if bf16 is None or (need_dw and bf16[1] > tune.row_chunk_max_bf16):
-        return None
-    return RowChunkPlan(bf16[0], bf16[1], ld, False)

@@ -17,8 +17,8 @@ import contextlib
 import torch
 
 from .. import cross_entropy as ce
-from .plans import RowChunkPlan
 from .products import _Fp32Reductions
+from .row_chunk_plan import RowChunkPlan
 
 
 def _mm(out, a, b, bias=None, accumulate=False):

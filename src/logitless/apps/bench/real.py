@@ -17,7 +17,7 @@ per 32), which is exactly what the model's dequantised weight is, in about half 
 The prepared data is one file written by `torch.save` (tensors, strings and numbers only) that `load` reads with
 torch alone: no transformers, no gguf, no network. It can be cut into parts of any size (`split_file`) and joined
 back with `cat`, or read from the parts directly (`load` takes the file, a folder of parts, or the path of the
-whole file when only `PATH.partNN` files exist).
+whole file when only `PATH.partNN` files exist); real_files.py reads and writes it.
 
 A benchmark shape is served when V equals the model's vocabulary, N is at most the tokens prepared and D is at
 least the model's: D above the model's lifts the head (x' = x Q^T, W' = W Q^T, Q a seeded D x d matrix with
@@ -27,9 +27,7 @@ orthonormal columns), which leaves every logit, so the softmax, unchanged and on
 from __future__ import annotations
 
 import ast
-import glob
 import hashlib
-import io
 import os
 import sys
 import sysconfig
@@ -38,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "logitless-real-head/1"
+from .real_files import dequantize, load, split_file, write  # noqa: F401 - load: read as real.load
 
 
 @dataclass(frozen=True)
@@ -149,12 +147,6 @@ def _q8_0_head(path: Path, V: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Q8_0 -> float32, exactly (an 8-bit integer times a float16 needs at most 19 significant bits)."""
-    V, D = q.shape
-    return (q.float().view(V, D // 32, 32) * scale.float().unsqueeze(-1)).view(V, D)
-
-
 def prepare(model: str = DEFAULT_MODEL, tokens: int = 16384, out: str | os.PathLike | None = None,
             window: int = 1024, log=print) -> Path:
     """Run `model` on standard-library text and write its head, hidden states and targets; returns the file."""
@@ -213,69 +205,12 @@ def prepare(model: str = DEFAULT_MODEL, tokens: int = 16384, out: str | os.PathL
     return write(out, obj)
 
 
-def write(path: str | os.PathLike, obj: dict) -> Path:
-    """Save a real-head dict (format, model, V, D, text, weight_q8, weight_scale, input, target) for `load`."""
-    missing = {"model", "V", "D", "text", "weight_q8", "weight_scale", "input", "target"} - set(obj)
-    if missing:
-        raise ValueError(f"a real-head file needs {', '.join(sorted(missing))}")
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({**obj, "format": FORMAT}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def split_file(path: str | os.PathLike, part_mib: float = 55.0) -> list[Path]:
-    """Cut `path` into PATH.part00, PATH.part01, ... of at most `part_mib` MiB; `cat PATH.part* > PATH` joins them."""
-    path = Path(path)
-    size = int(part_mib * 2**20)
-    parts = []
-    with open(path, "rb") as f:
-        for i, block in enumerate(iter(lambda: f.read(size), b"")):
-            p = path.with_name(f"{path.name}.part{i:02d}")
-            p.write_bytes(block)
-            parts.append(p)
-    return parts
-
-
-def _parts(path: Path) -> list[Path]:
-    if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.is_file() and ".part" in p.name)
-        if not found:
-            raise FileNotFoundError(f"{path} is a folder with no *.partNN files")
-        return found
-    if path.exists():
-        return [path]
-    found = sorted(Path(p) for p in glob.glob(glob.escape(str(path)) + ".part*"))
-    if not found:
-        raise FileNotFoundError(f"no data file {path} (nor {path}.partNN parts)")
-    return found
-
-
-def load(path: str | os.PathLike) -> dict:
-    """A prepared data file (or its parts) -> dict with the float32 `weight` (V, D), `input` (N, D), `target`."""
-    parts = _parts(Path(path))
-    if len(parts) == 1:
-        obj = torch.load(parts[0], map_location="cpu", weights_only=True)
-    else:
-        buf = io.BytesIO(b"".join(p.read_bytes() for p in parts))
-        try:
-            obj = torch.load(buf, map_location="cpu", weights_only=True)
-        except Exception as e:  # a missing or truncated part breaks the zip archive
-            raise ValueError(f"cannot read the data file joined from {len(parts)} parts "
-                             f"({', '.join(p.name for p in parts)}): is a part missing? ({e})") from e
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a logitless real-head file (format {FORMAT})")
-    obj["weight"] = dequantize(obj.pop("weight_q8"), obj.pop("weight_scale"))
-    return obj
 
 
 def lift(x: torch.Tensor, w: torch.Tensor, D: int, seed: int = 0, dtype=torch.bfloat16,
@@ -307,7 +242,7 @@ def serves(model_V: int, model_D: int, tokens: int, N: int, D: int, V: int) -> s
         return f"real data has D = {model_D} and can only be lifted to a larger D, not to {D}"
     if N > tokens:
         return (f"real data has {tokens} tokens, fewer than N = {N}; prepare more "
-                f"(python -m logitless.bench.real --tokens N)")
+                f"(python -m logitless.apps.bench.real --tokens N)")
     return None
 
 
@@ -338,7 +273,7 @@ def describe(obj: dict, D: int) -> str:
 def _prepare_main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m logitless.bench.real",
+    ap = argparse.ArgumentParser(prog="python -m logitless.apps.bench.real",
                                  description="Prepare a real-head data file for `logitless bench --data real`.")
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS))
     ap.add_argument("--tokens", type=int, default=16384)

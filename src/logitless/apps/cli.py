@@ -7,16 +7,16 @@ import sys
 
 # subcommand -> module with a `main(argv) -> int`; imported only when used, so each stays independent.
 _COMMANDS = {
-    "bench": ("logitless.bench.cli", "speed and memory of every provider, side by side"),
-    "score": ("logitless.score", "per-token log-probs, NLL and perplexity of text under a local HF causal LM"),
-    "detect": ("logitless.detect", "Binoculars score (observer NLL / cross-entropy to a performer) of text"),
+    "bench": ("logitless.apps.bench.cli", "speed and memory of every provider, side by side"),
+    "score": ("logitless.apps.score", "per-token log-probs, NLL and perplexity of text under a local HF causal LM"),
+    "detect": ("logitless.apps.detect", "Binoculars score (observer NLL / cross-entropy to a performer) of text"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
 
         print(f"logitless {__version__}")
         return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import testing
+from ... import testing
 from .cases import Inputs
 
 FACTOR = 2.0
@@ -70,7 +70,7 @@ def _naive(job: str, upcast: bool):
     if job == "logprobs":
         return lambda x, w, t: testing.naive_linear_log_probs(x, w, t, upcast=upcast)
     if job == "distill":
-        from ..testing import naive_two_heads
+        from ...testing import naive_two_heads
 
         return lambda x, w, xt, wt, t: naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
     return lambda logits, t: testing.naive_cross_entropy(logits, t, upcast=upcast)

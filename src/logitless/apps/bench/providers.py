@@ -24,10 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from .. import testing
 from .cases import JOB_OP, Inputs
+from .peers import EAGER, cce, compile_eager, liger, liger_jsd, torch_lce, torch_lce_unavailable
 
 
 @dataclass
@@ -128,7 +127,7 @@ def _logitless(backend: str) -> Provider:
     import logitless
 
     def unavailable(job, device):
-        from .._dispatch import resolve_backend
+        from ..._dispatch import resolve_backend
 
         try:
             got = resolve_backend(backend, device, JOB_OP[job])
@@ -161,7 +160,7 @@ def _logitless(backend: str) -> Provider:
 def _fused(job: str, inp: Inputs) -> bool:
     """linear_cross_entropy's PyTorch path takes its fused training path here (torch_backend.fused_rows): the
     gradients are computed in the forward, chunk by chunk, and the backward only scales them."""
-    from .. import torch_backend
+    from ... import torch_backend
 
     return job == "train" and torch_backend.fused_rows(inp.x, inp.w, None, None, "mean") > 0
 
@@ -231,92 +230,6 @@ def _logitless_always_skip() -> Provider:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# PyTorch: eager, torch.compile, F.linear_cross_entropy
-
-
-_EAGER = {
-    "train": lambda x, w, t: testing.naive_linear_cross_entropy(x, w, t),
-    "logprobs": lambda x, w, t: testing.naive_linear_log_probs(x, w, t),
-    "ce": lambda logits, t: testing.naive_cross_entropy(logits, t),
-    "distill": lambda x, w, xt, wt, t: _naive_jsd(x, w, xt, wt, t),
-}
-
-
-def _naive_jsd(x, w, xt, wt, t, upcast=True):
-    from ..testing import naive_two_heads
-
-    return naive_two_heads(x, w, xt, wt, kind="jsd", beta=0.5, target=t, upcast=upcast)
-
-
-def _compiled(job: str) -> Callable:
-    import torch._dynamo as dynamo
-
-    # One compilation per (D, V) and grad mode: the token count is marked dynamic so that the check slice and the
-    # full batch share a graph, and automatic dynamic shapes are off so that D and V stay static as a model's are.
-    dynamo.config.automatic_dynamic_shapes = False
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(dynamo.config, knob):
-            setattr(dynamo.config, knob, max(64, getattr(dynamo.config, knob)))
-    compiled = torch.compile(_EAGER[job])
-
-    def fn(*args):
-        dynamo.maybe_mark_dynamic(args[0], 0)
-        dynamo.maybe_mark_dynamic(args[-1], 0)
-        return compiled(*args)
-
-    return fn
-
-
-def _torch_lce_unavailable(job, device):
-    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        return f"torch.nn.functional.linear_cross_entropy needs torch >= 2.13 (installed: {torch.__version__})"
-    return None
-
-
-def _torch_lce(job: str) -> Callable:
-    opts = torch.nn.LinearCrossEntropyOptions()  # the chunked path, chunking and precision policy on "auto"
-    if job == "train":
-        return lambda x, w, t: F.linear_cross_entropy(x, w, t, options=opts)
-    return lambda x, w, t: -F.linear_cross_entropy(x, w, t, reduction="none", options=opts)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Liger-Kernel and Cut Cross-Entropy
-
-
-def _liger(job: str, accum_dtype=None) -> Callable:
-    if job == "train":
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        mod = LigerFusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
-        return lambda x, w, t: mod(w, x, t)  # Liger takes the weight first
-    from liger_kernel.transformers import LigerCrossEntropyLoss
-
-    mod = LigerCrossEntropyLoss()
-    return lambda logits, t: mod(logits, t)
-
-
-def _liger_jsd(job: str) -> Callable:
-    from liger_kernel.transformers import LigerFusedLinearJSD
-
-    # Liger's jsd_beta is our beta. Older releases take no ignore_index and no labels (the job's targets ignore
-    # no row, so the loss is the same).
-    kw = {"ignore_index": -100} if "ignore_index" in inspect.signature(LigerFusedLinearJSD).parameters else {}
-    mod = LigerFusedLinearJSD(jsd_beta=0.5, temperature=1.0, **kw)
-    if "shift_labels" in inspect.signature(mod.forward).parameters:
-        return lambda x, w, xt, wt, t: mod(x, w, xt, wt, t)
-    return lambda x, w, xt, wt, t: mod(x, w, xt, wt)
-
-
-def _cce(impl: str, job: str, **kw) -> Callable:
-    from cut_cross_entropy import linear_cross_entropy
-
-    if job == "train":
-        return lambda x, w, t: linear_cross_entropy(x, w, t, impl=impl, **kw)
-    return lambda x, w, t: -linear_cross_entropy(x, w, t, reduction="none", impl=impl, **kw)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def _registry() -> list[Provider]:
@@ -329,36 +242,36 @@ def _registry() -> list[Provider]:
         _logitless_always_skip(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
-                 {job: functools.partial(lambda j: _EAGER[j], job) for job in _EAGER},
+                 {job: functools.partial(lambda j: EAGER[j], job) for job in EAGER},
                  version=lambda: torch.__version__),
         Provider("torch-compile", "torch.compile of the eager composition (token count dynamic, D and V static)",
-                 {job: functools.partial(_compiled, job) for job in _EAGER},
+                 {job: functools.partial(compile_eager, job) for job in EAGER},
                  cpu_default=False, version=lambda: torch.__version__),
         Provider("torch-lce", "torch.nn.functional.linear_cross_entropy, chunked (LinearCrossEntropyOptions())",
-                 {job: functools.partial(_torch_lce, job) for job in ("train", "logprobs")},
-                 unavailable=_torch_lce_unavailable, cpu_default=False, version=lambda: torch.__version__),
+                 {job: functools.partial(torch_lce, job) for job in ("train", "logprobs")},
+                 unavailable=torch_lce_unavailable, cpu_default=False, version=lambda: torch.__version__),
         Provider("liger", "Liger-Kernel: LigerFusedLinearCrossEntropyLoss (train), LigerCrossEntropyLoss (ce)",
-                 {job: functools.partial(_liger, job) for job in ("train", "ce")},
+                 {job: functools.partial(liger, job) for job in ("train", "ce")},
                  unavailable=_triton_device(liger_import), cpu_default=False,
                  version=_dist_version("liger-kernel")),
         Provider("liger-jsd", "Liger-Kernel: LigerFusedLinearJSD(jsd_beta=0.5) (distill)",
-                 {"distill": functools.partial(_liger_jsd, "distill")},
+                 {"distill": functools.partial(liger_jsd, "distill")},
                  unavailable=_triton_device(liger_import), cpu_default=False,
                  version=_dist_version("liger-kernel")),
         Provider("liger-fp32", "Liger-Kernel's fused linear cross-entropy with accum_dtype=float32 (opt-in)",
-                 {"train": functools.partial(_liger, "train", torch.float32)},
+                 {"train": functools.partial(liger, "train", torch.float32)},
                  unavailable=_triton_device(liger_import), cpu_default=False, gpu_default=False,
                  version=_dist_version("liger-kernel")),
         Provider("cce", "Cut Cross-Entropy, impl='cce' (default gradient filtering)",
-                 {job: functools.partial(_cce, "cce", job) for job in ("train", "logprobs")},
+                 {job: functools.partial(cce, "cce", job) for job in ("train", "logprobs")},
                  unavailable=_triton_device(cce_import), cpu_default=False,
                  version=_dist_version("cut-cross-entropy")),
         Provider("cce-nofilter", "Cut Cross-Entropy, impl='cce', filter_eps=None: no gradient filtering (opt-in)",
-                 {job: functools.partial(_cce, "cce", job, filter_eps=None) for job in ("train", "logprobs")},
+                 {job: functools.partial(cce, "cce", job, filter_eps=None) for job in ("train", "logprobs")},
                  unavailable=_triton_device(cce_import), cpu_default=False, gpu_default=False,
                  version=_dist_version("cut-cross-entropy")),
         Provider("cce-compile", "Cut Cross-Entropy, impl='torch_compile'",
-                 {job: functools.partial(_cce, "torch_compile", job) for job in ("train", "logprobs")},
+                 {job: functools.partial(cce, "torch_compile", job) for job in ("train", "logprobs")},
                  unavailable=cce_import, cpu_default=False,
                  version=_dist_version("cut-cross-entropy")),
         Provider("floor", "dense floor: the matrix products alone (x W^T; then dz W, dz^T x); ce: a copy of the "

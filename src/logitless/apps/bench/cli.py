@@ -12,10 +12,11 @@ import warnings
 
 import torch
 
-from .. import _files
+from ..files import AtomicGroup, OutputError
 from . import cases as C
-from . import data, finetune, providers, report
-from .runner import Options, run
+from . import data, finetune_cli, providers, report
+from .runner import run
+from .selection import pick_device, resolve
 
 DESCRIPTION = """\
 Time and peak memory of logitless next to every installed peer, on this device's shapes and data.
@@ -40,7 +41,6 @@ inputs and the outputs (CUDA caching allocator on a GPU, PyTorch's profiler on a
 the logits for ce; "x ours": time over logitless's (the backend that backend="auto" picks); "x floor": time over
 the dense floor's (the matrix products alone, or a device-to-device copy of the logits for ce).
 """
-
 EPILOG = """\
 providers (each runs only when importable and able to run on the device; --list shows which):
 {providers}
@@ -65,8 +65,6 @@ torch-lce and the Triton peers, run there only when named in --providers).
 outputs under --out: table.txt, table.md, results.json, results.csv, bench_<job>.svg
 (--job finetune: finetune.txt, finetune.md, finetune.json, finetune.svg)
 """
-
-
 _split = C.split_values
 
 
@@ -97,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", action="append", metavar="KIND",
                     help=f"data kind(s): {', '.join(data.KINDS)} (default: both on a GPU, lm on a CPU)")
     ap.add_argument("--data-file", default=None, metavar="PATH",
-                    help="real data prepared by `python -m logitless.bench.real` (read with torch alone): the file, "
-                         "a folder of its PATH.partNN parts, or PATH when only PATH.partNN exist; implies --data "
-                         "real when --data is not given")
+                    help="real data prepared by `python -m logitless.apps.bench.real` (read with torch alone): the "
+                         "file, a folder of its PATH.partNN parts, or PATH when only PATH.partNN exist; implies "
+                         "--data real when --data is not given")
     ap.add_argument("--cache-dir", default=None, metavar="DIR",
                     help="where --data real without --data-file keeps the prepared data (default: $LOGITLESS_CACHE "
                          "or ~/.cache/logitless)")
@@ -136,122 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list providers, with why any cannot run here, and exit")
-    finetune.add_arguments(ap)
+    finetune_cli.add_arguments(ap)
     return ap
-
-
-def _device(arg: str | None) -> torch.device:
-    if arg is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(arg)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("logitless bench: --device cuda was asked for but CUDA is not available")
-    if dev.type not in ("cuda", "cpu"):
-        raise SystemExit(f"logitless bench: unsupported device {arg!r}; use cuda or cpu")
-    return dev
-
-
-def resolve(args, parser) -> tuple[list[C.Case], list[providers.Provider], Options]:
-    """Arguments -> the cases to run, the providers, and the options. Errors go through parser.error (exit 2)."""
-    device = _device(args.device)
-    gpu = device.type == "cuda"
-    jobs = _split(args.job) or list(C.JOBS)
-    for j in jobs:
-        if j not in C.ALL_JOBS:
-            parser.error(f"unknown job {j!r}; expected one of {', '.join(C.ALL_JOBS)}")
-    known = providers.by_name()
-    if args.providers:
-        names = _split(args.providers)
-        for n in names:
-            if n not in known:
-                parser.error(f"unknown provider {n!r}; expected some of {', '.join(known)}")
-        chosen = [known[n] for n in names]
-    else:
-        chosen = [p for p in providers.REGISTRY if (p.gpu_default if gpu else p.cpu_default)]
-    if args.providers and not args.job:  # --providers alone: the jobs those providers run
-        jobs = [j for j in jobs if any(j in p.jobs for p in chosen)]
-    dtypes = _split(args.dtype) or (["bf16"] if gpu else ["fp32"])
-    for d in dtypes:
-        if d not in C.DTYPES:
-            parser.error(f"unknown dtype {d!r}; expected one of {', '.join(C.DTYPES)}")
-    kinds = _split(args.data) or (["real"] if args.data_file else ["lm", "uniform"] if gpu else ["lm"])
-    for k in kinds:
-        if k not in data.KINDS:
-            parser.error(f"unknown data kind {k!r}; expected one of {', '.join(data.KINDS)}")
-    if args.data_file and not any(k in data.REAL_KINDS for k in kinds):
-        parser.error("--data-file is read by --data real (or real-sorted) only")
-    shapes = []
-    for text in _split(args.preset):
-        if text not in C.PRESETS:
-            parser.error(f"unknown preset {text!r}; expected one of {', '.join(C.PRESETS)}")
-        shapes.append(C.parse_shape(text))
-    for text in args.shape or []:
-        try:
-            shapes.append(C.parse_shape(text))
-        except ValueError as e:
-            parser.error(str(e))
-    defaults = C.GPU_DEFAULT_PRESETS if gpu else C.CPU_DEFAULT_PRESETS
-    cases, skipped = [], []
-    for job in jobs:
-        for k in kinds:
-            if k in data.REAL_KINDS:
-                job_shapes = shapes or [C.parse_shape(n) for n in (C.REAL_GPU_PRESETS if gpu else C.REAL_CPU_PRESETS)]
-            else:
-                job_shapes = shapes or [C.parse_shape(n) for n in defaults[job]]
-            for s in job_shapes:
-                try:
-                    why = _real_refuses(s, args.data_file) if k in data.REAL_KINDS else None
-                except (OSError, ValueError) as e:
-                    parser.error(f"--data-file: {e}")
-                if why:
-                    skipped.append(f"skipped {job} {s.name} data=real: {why}")
-                    continue
-                cases += [C.Case(job, s, d, k) for d in dtypes]
-    if not cases:
-        parser.error("no case left to run: " + "; ".join(skipped))
-    excluded = set(_split(args.exclude))
-    for n in excluded:
-        if n not in known:
-            parser.error(f"unknown provider {n!r} in --exclude; expected some of {', '.join(known)}")
-    left = [p for p in chosen if p.name not in excluded]
-    # A job that no chosen provider runs would print an empty table: refuse it up front, naming the flag.
-    emptied = [j for j in jobs if any(j in p.jobs for p in chosen) and not any(j in p.jobs for p in left)]
-    if emptied:
-        parser.error(f"--exclude leaves no provider for job(s) {', '.join(emptied)}")
-    unserved = [j for j in jobs if not any(j in p.jobs for p in chosen)]
-    if unserved:
-        able = {j: ", ".join(p.name for p in providers.REGISTRY if j in p.jobs) for j in unserved}
-        parser.error("--providers names no provider for job(s) "
-                     + "; ".join(f"{j} (run by {able[j]})" for j in unserved))
-    chosen = left
-    if args.check_rows is not None and args.check_rows < 1:
-        parser.error("--check-rows must be at least 1")
-    if args.min_reps < 1 or args.max_reps < args.min_reps:
-        parser.error("--min-reps must be at least 1 and --max-reps at least --min-reps")
-    budget = args.budget if args.budget is not None else (1.0 if gpu else 0.5)
-    if budget <= 0:
-        parser.error("--budget must be positive")
-    opts = Options(
-        device=device, budget_s=budget, min_reps=args.min_reps, max_reps=args.max_reps,
-        warmup=max(1, args.warmup), max_iter_s=args.max_iter_seconds,
-        check_rows=args.check_rows or (1024 if gpu else 256), time_failing=args.time_failing, seed=args.seed,
-        progress=not args.no_progress, data_file=args.data_file, cache_dir=args.cache_dir, skipped=skipped,
-    )
-    return cases, chosen, opts
-
-
-def _real_refuses(s: C.Shape, data_file) -> str | None:
-    """Why real data cannot serve shape s: the file's V, D and tokens, or the models' (None when it serves)."""
-    from . import real
-
-    if data_file is not None:
-        src = data.real_source(s.V, data_file)
-        return real.serves(src["V"], src["D"], src["input"].shape[0], s.N, s.D, s.V)
-    try:
-        m = real.MODELS[real.model_for(s.V)]
-    except ValueError as e:
-        return str(e)
-    return real.serves(m.V, m.D, s.N, s.N, s.D, s.V)
 
 
 def _meta(argv, device: torch.device, chosen) -> dict:
@@ -293,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        return _list(_device(args.device))
+        return _list(pick_device(args.device))
     if "finetune" in _split(args.job):
         return _finetune(args, parser, argv)
-    for name in finetune.FINETUNE_ONLY:
+    for name in finetune_cli.FINETUNE_ONLY:
         if getattr(args, name) is not None:
             parser.error(f"--{name.replace('_', '-')} applies to --job finetune only")
     cases, chosen, opts = resolve(args, parser)
@@ -325,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every file goes to a temporary one beside it; all are renamed into place together at the end.
     try:
         written = _write(args, result, meta, text, legend, header)
-    except _files.OutputError as e:  # --no-clobber: a file appeared in --out during the run
+    except OutputError as e:  # --no-clobber: a file appeared in --out during the run
         print(f"logitless bench: error: {e}; nothing was written", file=sys.stderr)
         return 1
     print(f"wrote {', '.join(written)} to {args.out}")
@@ -337,7 +221,7 @@ OUTPUTS = ["table.txt", "table.md", "results.json", "results.csv"]
 
 
 def _write(args, result, meta: dict, text: str, legend: str, header: str) -> list[str]:
-    with _files.AtomicGroup(no_clobber=args.no_clobber) as files:
+    with AtomicGroup(no_clobber=args.no_clobber) as files:
         with files.open(os.path.join(args.out, "table.txt"), "w") as f:
             f.write(header + "\n" + text + "\n" + legend + "\n")
         with files.open(os.path.join(args.out, "table.md"), "w") as f:
@@ -351,14 +235,14 @@ def _write(args, result, meta: dict, text: str, legend: str, header: str) -> lis
 
 
 def _finetune(args, parser, argv) -> int:
-    """--job finetune: its own machinery (bench/finetune.py), the same device, metadata and output folder."""
+    """--job finetune: its own machinery (apps/bench/finetune*.py), the same device, metadata and output folder."""
     if _split(args.job) != ["finetune"]:
         parser.error("--job finetune runs alone: give it without other jobs")
-    device = _device(args.device)
+    device = pick_device(args.device)
     _check_out(args.out, parser)
     meta = _meta(argv, device, [])
     meta["device_name"] = str(device)
-    return finetune.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
+    return finetune_cli.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
 
 
 def _check_out(out: str, parser) -> None:

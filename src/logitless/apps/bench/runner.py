@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import skip_gate
+from ... import skip_gate
 from . import cases as C
 from .check import Comparison, Reference
 from .measure import TooSlow, peak_extra_bytes, time_step, warm_up
@@ -98,7 +98,7 @@ def _free(device):
 
 
 def ours_name(job: str, device: torch.device) -> str:
-    from .._dispatch import resolve_backend
+    from ..._dispatch import resolve_backend
 
     try:
         return f"logitless-{resolve_backend('auto', device, C.JOB_OP[job])}"

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..vocab import VocabOrder
+from ...vocab import VocabOrder
 
 KINDS = ("lm", "uniform", "real", "real-sorted", "lm-v1")
 REAL_KINDS = ("real", "real-sorted")

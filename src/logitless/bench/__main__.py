@@ -1,7 +1,0 @@
-"""`python -m logitless.bench`: the same as `logitless bench`."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,0 +1,373 @@
+"""Sparsity: cold (token block x tile) pairs skipped by the backward, on the Triton path (the interpreter on CPU).
+The interpreter's tiles are 32 tokens x 64 classes, so N = 70, V = 300 make 3 token blocks (the last partial)
+and 5 tiles (the last of 44 classes).
+
+Split by concern: op semantics in test_triton_linear.py, the kernels' mechanics in test_triton_linear_kernels.py,
+their host plans in test_triton_linear_plans.py, skipping in test_triton_linear_skip.py, bad arguments in
+test_triton_linear_validation.py; what they share in triton_linear_common.py.
+"""
+
+import functools
+import math
+
+import pytest
+import torch
+
+import logitless
+from logitless import testing
+from logitless.apps.bench import data
+from logitless.kernels import linear_head as lh
+from logitless.kernels.linear_head import configs as lh_configs
+from logitless.kernels.linear_head import plans as lh_plans
+from logitless.linear_cross_entropy import class_counts
+from tests.helpers import (
+    assert_within_rule,
+    check_against_truth,
+    grads,
+    leaves,
+)
+from tests.triton_linear_common import (
+    DEV,
+    WORKSPACES,
+    poison,  # noqa: F401 - autouse: every test runs with NaN-poisoned buffers
+)
+
+TAU = 2.0**-12  # a fixed threshold that is safe for bf16/fp16
+
+
+@pytest.fixture
+def small_tiles(tune):
+    # These tests spell out tile maps for the interpreter's 32 x 64 tiles: on a GPU they run with those tiles too.
+    # Their maps are by the rows' own order: the plan's grouping of rows is tested on its own.
+    tune(linear_config=lh_configs.interpreter_config(), skip_group_rows=False)
+
+
+def peaked(dtype, hot_sets, n=70, d=24, v=300, seed=0):
+    """A head whose rows hold their mass on three 'hot' classes each (a peaked softmax, like a trained LM's). The
+    hot classes' W rows are distinct unit vectors, the other rows small and random; row i of token block b has
+    x_i = 20 (e_a + e_b) + 18 e_c for three classes drawn from hot_sets[b % len(hot_sets)], and target a. Every other
+    class holds ~e^-15 of the row's mass, so a tile is cold for a block where none of its rows has a hot class."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g) * (0.3 / d**0.5)
+    hot = sorted({c for cs in hot_sets for c in cs})
+    for k, c in enumerate(hot):
+        w[c] = 0.0
+        w[c, k] = 1.0
+    x = torch.randn(n, d, generator=g) * 0.1
+    t = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        cs = hot_sets[(i // 32) % len(hot_sets)]
+        a, b, c = (cs[j] for j in torch.randperm(len(cs), generator=g)[:3].tolist())
+        x[i, hot.index(a)] += 20.0
+        x[i, hot.index(b)] += 20.0
+        x[i, hot.index(c)] += 18.0
+        t[i] = a
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV), t.to(DEV)
+
+
+def skip_check(x, w, b, t, tune, needs="xwb", **kw):
+    """Loss and gradients of the Triton path (with kw: skip_threshold, vocab_order, ...) against float64 under the
+    error rule; returns (the backward's skip plans, our gradients)."""
+    plans = []
+    tune(debug_plans=plans)
+    opts = {k: kw.pop(k) for k in ("skip_threshold", "vocab_order", "workspace_bytes") if k in kw}
+    ins = {}
+    outs = {}
+    for name in ("ours", "torch", "f64"):
+        ins[name] = [None if a is None else (a.double() if name == "f64" else a).detach().clone().requires_grad_(
+            k in needs) for a, k in zip((x, w, b), "xwb", strict=True)]
+        xi, wi, bi = ins[name]
+        if name == "ours":
+            outs[name] = logitless.linear_cross_entropy(xi, wi, t, linear_bias=bi, backend="triton", **opts, **kw)
+        else:
+            outs[name] = testing.naive_linear_cross_entropy(xi, wi, t, linear_bias=bi, upcast=name == "f64", **kw)
+    assert_within_rule("loss", outs["ours"], outs["torch"], outs["f64"])
+    gs = {name: grads(outs[name], ins[name]) for name in outs}
+    names = [f"d_{k}" for k, a in zip("xwb", (x, w, b), strict=True) if a is not None and k in needs]
+    for name, go, gt, g64 in zip(names, gs["ours"], gs["torch"], gs["f64"], strict=True):
+        assert_within_rule(name, go, gt, g64)
+    return plans, gs["ours"]
+
+
+def test_skip_peaked_bf16(tune, small_tiles):
+    # Block 0 uses hot classes of tile 0, block 1 of tile 1, block 2 of tiles 0 and 3; two rows have targets in
+    # tiles that are otherwise cold for their block (a tile holding a target is never skipped), two are ignored.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]])
+    t[5], t[40], t[10], t[45] = 150, 290, -100, -100
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    (plan,) = plans
+    expected = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 0, 1], [1, 0, 0, 1, 0]], dtype=torch.uint8)
+    assert torch.equal(plan.hot.cpu(), expected)
+    assert (plan.row_bound <= TAU).all() and (plan.row_bound > 0).any()
+    assert (plan.row_bound[t == -100] == 0).all()  # ignored rows lose nothing: their coefficients are 0
+
+
+def test_skip_nothing_on_uniform_data(tune, small_tiles):
+    # Near-uniform softmax (initialisation): every pair holds ~BLOCK_V / V of each row's mass, far above the budget.
+    head = data.make_head("uniform", 37, 24, 300, dtype=torch.bfloat16, seed=3, device=DEV)
+    plans, _ = skip_check(head.input, head.weight, None, head.target, tune, skip_threshold=TAU)
+    assert len(plans) == 1 and bool(plans[0].hot.all()) and (plans[0].row_bound == 0).all()
+
+
+def test_skip_bound_stops_skipping(tune, small_tiles):
+    # Hot classes in tile 0; tile 1 random (cold: ~1e-7 of the mass); tiles 2, 3, 4 hold exactly 0.45, 0.45 and
+    # 0.31 x TAU of every row's mass (zero W rows, a bias): each is cold alone, but skipping all three would lose
+    # 1.2 TAU, so the plan must stop after two of them (tile 4, then 2 or 3).
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4]], n=40)
+    w[128:] = 0
+    z = x.double() @ w.double().T
+    lse = torch.logsumexp(z[:, :128], 1)
+    b = torch.zeros(300, dtype=torch.float64, device=DEV)
+    b[128:] = lse.min() + math.log(0.45 * TAU / 64)
+    b = b.to(torch.bfloat16)
+    plans, (dx, dw, db) = skip_check(x, w, b, t, tune, skip_threshold=TAU)
+    (plan,) = plans
+    hot = plan.hot.cpu()
+    assert (hot[:, 0] == 1).all() and (hot[:, 1] == 0).all() and (hot[:, 4] == 0).all()
+    assert (hot[:, 2] + hot[:, 3] == 1).all()
+    # The bound holds the skipped mass (float64, from the same bf16 inputs), and it is what stopped the skipping.
+    p = torch.softmax(x.double() @ w.double().T + b.double(), 1)
+    cold_cols = (1 - hot).repeat_interleave(64, 1)[:, :300].repeat_interleave(32, 0)[:40].to(DEV)
+    skipped = (p * cold_cols).sum(1)
+    assert (skipped <= plan.row_bound.double() * (1 + 1e-4)).all() and (plan.row_bound <= TAU).all()
+    assert all(plan.row_bound[i:i + 32].max() > 0.6 * TAU for i in (0, 32))  # each block's tightest row
+    tiles = torch.empty(lh.tile_grid(x, w), device=DEV, dtype=torch.float16)
+    m, logs, *_ = lh.forward_stats(x, w, b, t, None, softcap=None, inv_temp=1.0, want_smooth=False,
+                                   want_entropy=False, tile_lse=tiles)
+    a = torch.ones_like(m)
+    loose = lh.skip_plan(tiles, m, logs, a, t, None, 300, 2 * TAU, 32, 64, group_rows=False)
+    assert (loose.hot.cpu()[:, 1:] == 0).all()  # with twice the budget, all four go
+    # Skipped pairs are not computed: tile 1 is cold for every block, so its dW rows and bias gradient are exactly 0.
+    assert (dw[64:128] == 0).all() and (db[64:128] == 0).all() and (dw[:64] != 0).any()
+
+
+def test_vocab_order_groups_hot_classes(tune, small_tiles):
+    # Hot classes one per tile: in identity order every tile is hot for every block. Ordered by the batch's target
+    # counts (within the ranges the bf16 workspace layout allows, here [0, 192) and [192, 300)), they share two
+    # tiles and the other three go cold. Bias and dW rows go back to their own classes.
+    hot_classes = [5, 70, 141, 210, 280]
+    x, w, t = peaked(torch.bfloat16, [hot_classes], n=40)
+    b = (torch.randn(300, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16).to(DEV)
+    t[3] = -100
+    # (the leanest plan: with the default policy's own accumulator the order has one range, [0, 300))
+    plans, _ = skip_check(x, w, b, t, tune, skip_threshold=TAU, vocab_order="batch", workspace_bytes=0)
+    xo, wo = leaves(x, w)
+    grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, backend="triton", workspace_bytes=0),
+          [xo, wo])
+    assert bool(plans[1].hot.all())
+    position = torch.argsort(lh.vocab_order(class_counts(t, 300, -100), x, w, 0))  # the order the call used
+    tiles = sorted({int(position[c]) // 64 for c in hot_classes})
+    assert len(tiles) == 2
+    expected = torch.zeros(2, 5, dtype=torch.uint8)
+    expected[:, tiles] = 1
+    assert torch.equal(plans[0].hot.cpu(), expected)
+
+
+def interleaved(dtype, n=64, d=24, v=300, seed=0):
+    """Rows alternate between two kinds: even rows hold their mass on classes of tile 0 alone, odd rows on classes
+    of tiles 1 and 3 (the interpreter's 64-class tiles). In the rows' own order every 32-row block needs tiles 0, 1
+    and 3; grouped by how many tiles they need, half the blocks need tile 0 alone and the others tiles 1 and 3."""
+    x0, w, t0 = peaked(torch.float32, [[1, 2, 3, 4]], n=n, d=d, v=v, seed=seed)
+    x1, _, t1 = peaked(torch.float32, [[70, 71, 200, 201]], n=n, d=d, v=v, seed=seed)
+    # (peaked gives both the same W: the hot classes 1-4, 70, 71, 200, 201 are unit vectors of distinct columns in
+    # each call's own numbering, so rebuild W for all eight)
+    hot = [1, 2, 3, 4, 70, 71, 200, 201]
+    g = torch.Generator().manual_seed(seed + 1)
+    w = torch.randn(v, d, generator=g) * (0.3 / d**0.5)
+    x = torch.randn(n, d, generator=g) * 0.1
+    t = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        cs = hot[:4] if i % 2 == 0 else hot[4:]
+        a, b, c = (cs[j] for j in torch.randperm(4, generator=g)[:3].tolist())
+        for cls, lift in ((a, 20.0), (b, 20.0), (c, 18.0)):
+            x[i, hot.index(cls)] += lift
+        t[i] = a
+    for k, c in enumerate(hot):
+        w[c] = 0.0
+        w[c, k] = 1.0
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV), t.to(DEV)
+
+
+def test_skip_groups_rows(tune, small_tiles):
+    # The plan groups rows by how many tiles they need: interleaved rows whose blocks share nothing cold in their own
+    # order share most of it once grouped. The gradients come back in the input's row order (checked against float64
+    # by skip_check) and every row keeps within its budget.
+    x, w, t = interleaved(torch.bfloat16)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    (own,) = plans
+    assert own.rows is None and own.hot[:, [0, 1, 3]].all()
+    tune(skip_group_rows=True)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    (grouped,) = plans
+    rows = grouped.rows.cpu()
+    assert torch.equal(rows.sort().values, torch.arange(64))
+    parity = (rows % 2).view(2, 32)  # each block holds one kind of row
+    assert (parity == parity[:, :1]).all() and parity[0, 0] != parity[1, 0]
+    hot = grouped.hot.cpu()
+    kinds = [hot[b] for b in range(2)]
+    need = {0: torch.tensor([1, 0, 0, 0, 0]), 1: torch.tensor([0, 1, 0, 1, 0])}
+    for b in range(2):
+        assert torch.equal(kinds[b], need[int(parity[b, 0])].to(torch.uint8))
+    assert int(grouped.hot.sum()) < int(own.hot.sum())
+    assert (grouped.row_bound <= TAU).all() and (grouped.row_bound > 0).any()
+
+
+def test_skip_vocab_stored_by_mass(tune, small_tiles):
+    # Every block's hot classes are scattered over tiles 0-3 in id order, so nothing but tile 4 is cold; with the
+    # head stored by the mass of another sample (VocabOrder), they fill tile 0 and the plan skips tiles 1-4 for every
+    # block. The sorted problem's loss and gradients stay within the error rule against float64.
+    hot_sets = [[1, 70, 140, 210], [2, 71, 141, 211], [3, 72, 142, 212]]
+    x, w, t = peaked(torch.bfloat16, hot_sets, n=96)
+    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    assert plans[0].hot[:, :4].all()
+    sample = peaked(torch.bfloat16, hot_sets, n=96, seed=1)[0]
+    order = logitless.VocabOrder.by_mass(sample, w)
+    assert set(order.ids[:12].tolist()) == {c for cs in hot_sets for c in cs}
+    plans, (dx, dw) = skip_check(x, order.sort(w), None, order.map_ids(t), tune, skip_threshold=TAU)
+    assert torch.equal(plans[0].hot.cpu(), torch.tensor([[1, 0, 0, 0, 0]] * 3, dtype=torch.uint8))
+    # The same gradients as the problem in id order, up to the permutation of dW's rows.
+    xo, wo = leaves(x, w)
+    ref = grads(logitless.linear_cross_entropy(xo, wo, t, backend="triton"), [xo, wo])
+    torch.testing.assert_close(dx.float(), ref[0].float(), rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(order.unsort(dw).float(), ref[1].float(), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("split,deal_pct", [(4, 100.0), (3, 0.0), (2, 100.0)])
+def test_skip_dx_split(tune, small_tiles, split, deal_pct):
+    # The skipping backward may deal each dx tile's reduction steps out to several programs (float32 partials added
+    # after the last chunk); dealt out (deal_pct 100) or not (0), the gradients hold the error rule, and equal the
+    # undealt ones to float32 rounding.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]], n=96)
+    tune(skip_dx_split=1)
+    _, ref = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    tune(skip_dx_split=split, skip_dx_deal_pct=deal_pct)
+    _, got = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=0, atol=0)  # dW: the same programs
+
+
+def test_skip_auto_budget(tune, small_tiles):
+    # skip_threshold="auto": each row may lose 2^-11 max(1, |m_i|) of its mass in bfloat16 (2^-14 in float16), a
+    # quarter of the rounding of its largest logit to the dtype; float32 inputs skip nothing. Tile 4 holds 3 x 2^-12
+    # of every row's mass (zero W rows and a bias): too much for the fixed 2^-12, within the budget of rows whose
+    # largest logit is ~20.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+    w[256:] = 0
+    lse = torch.logsumexp(x.double() @ w.double().T, 1)
+    b = torch.zeros(300, dtype=torch.float64, device=DEV)
+    b[256:] = lse.min() + math.log(3 * TAU / 44)
+    b = b.to(torch.bfloat16)
+    fixed, _ = skip_check(x, w, b, t, tune, skip_threshold=TAU)
+    auto, _ = skip_check(x, w, b, t, tune, skip_threshold="auto")
+    assert fixed[0].hot[:, 4].all() and not auto[0].hot[:, 4].any()
+    m = (x.double() @ w.double().T + b.double()).amax(1)
+    assert (auto[0].row_bound.double() <= 2.0**-11 * m.abs().clamp(min=1) * (1 + 1e-3)).all()
+    assert (auto[0].row_bound > 2 * TAU).all()
+    plans = []
+    tune(debug_plans=plans)
+    for dtype, none in ((torch.float16, False), (torch.float32, True)):
+        plans.clear()
+        x, w, t = peaked(dtype, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+        xo, wo = leaves(x, w)
+        grads(logitless.linear_cross_entropy(xo, wo, t, skip_threshold="auto", backend="triton"), [xo, wo])
+        assert (plans == []) == none
+
+
+def test_skip_bound_holds_when_cold_rows_align(tune, small_tiles):
+    # Adversarial: the skipped classes' W rows all point the same way, long (norm 40) and far from every x, so their
+    # mass is cold but each unit of it moves dx a long way, all in one direction. The error the skipping adds to
+    # each row of dx stays within the documented bound: row_bound_i |A_i| max_j ||w_j||.
+    n, d, v = 64, 24, 300
+    x, w, t = peaked(torch.float32, [[1, 2, 3, 4], [70, 71, 72, 73]], n=n, d=d, v=v)
+    x, w = x.cpu(), w.cpu()
+    u = torch.zeros(d)
+    u[-1] = 1.0
+    x[:, -1] = 0.2
+    cold = torch.tensor([c for c in range(v) if c not in (1, 2, 3, 4, 70, 71, 72, 73)])
+    w[cold] = 40.0 * u
+    # a cold class's logit is 8 = 40 x 0.2 against 20 for the top ones: ~e^-12 each, ~2e-3 of a row in all
+    x, w = x.to(torch.bfloat16).to(DEV), w.to(torch.bfloat16).to(DEV)
+    tau = 2.0**-8
+    out = {}
+    for name, thr in (("skip", tau), ("dense", 0.0)):
+        plans = []
+        tune(debug_plans=plans)
+        xo, wo = leaves(x, w)
+        out[name] = grads(logitless.linear_cross_entropy(xo, wo, t, reduction="sum", skip_threshold=thr,
+                                                         backend="triton"), [xo, wo])[0].double()
+        if thr:
+            (plan,) = plans
+    assert not plan.hot.all()
+    bound = plan.row_bound.double() * w.double().norm(dim=1).max()
+    diff = (out["skip"] - out["dense"]).norm(dim=1)
+    rounding = 2.0**-7 * out["dense"].norm(dim=1)  # the two bf16 results' own rounding
+    assert (diff <= bound + rounding + 1e-6).all()
+    assert (diff > rounding).any()  # the skipped mass does move dx, along u
+
+
+# Workspace arrangements (WORKSPACES above) with skipping and a vocabulary order: aligned chunks, dW rows written
+# through the order (also from split-K partials), the second pass's dz in dW rows, the dx-only and V < 2N plans;
+# and skipping in the vocabulary's own order with wide first-pass chunks (dz in unwritten dW rows, aligned).
+# slow: the three larger arrangements; the quick run keeps their plans (test_backward_workspaces), skipping in the
+# vocabulary's own order (the skip tests above) and skipping through an order in the five smaller ones here.
+@pytest.mark.parametrize("name,order", [("alias_both", "batch"), ("alias_split_k", "batch"), ("dx_only", "batch"),
+                                        ("dw_only", "batch"), ("small_vocab", "batch"),
+                                        pytest.param("wide_chunks", "none", marks=pytest.mark.slow),
+                                        pytest.param("own_acc", "counts", marks=pytest.mark.slow),
+                                        pytest.param("wide_scratch", "counts", marks=pytest.mark.slow)])
+def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
+    dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
+    wide, orders, second = [], [], []
+    first_pass, make_order, second_pass = lh_plans._first_pass, lh.vocab_order, lh_plans._second_pass
+    monkeypatch.setattr(lh_plans, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
+    monkeypatch.setattr(lh, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
+    monkeypatch.setattr(lh_plans, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
+    tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
+    x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
+    b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
+    if order == "counts":  # per-class counts that reorder every range of the vocabulary
+        order = torch.rand(v, generator=torch.Generator().manual_seed(3)).to(DEV)
+    plans, _ = skip_check(x, w, b, t, tune, needs=needs, reduction="sum", skip_threshold=TAU,
+                          vocab_order=order, workspace_bytes=budget[0] if budget else 0)
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+    assert any(dz_at is not None for chunks in wide for _, _, dz_at, _ in chunks) == (isinstance(order, str)
+                                                                                 and order == "none")
+    # The order was made for the backward's workspaces: each second-pass chunk (it writes back only its own rows)
+    # holds its own classes.
+    for perm in orders:
+        for v0, v1, _ in (c for chunks in second for c in chunks):
+            assert torch.equal(perm[v0:v1].sort().values.cpu().long(), torch.arange(v0, v1)), (v0, v1)
+
+
+def test_skip_log_probs(tune, small_tiles):
+    # linear_log_probs skips too (its gradient is p_j A - C [j = t]; with return_entropy it never does: see
+    # test_log_probs_and_entropy).
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40)
+    plans = []
+    tune(debug_plans=plans)
+    up = torch.randn(40, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+    check_against_truth(functools.partial(logitless.linear_log_probs, skip_threshold=TAU),
+                        testing.naive_linear_log_probs, x, w, None, t, upstream=up, backend="triton")
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+
+
+def test_module_running_vocab_order():
+    # LinearCrossEntropyLoss(vocab_order="running") keeps decayed target counts across training steps (on the
+    # device) and passes them as the order; evaluation does not update them.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=40, v=130)
+    loss_fn = logitless.LinearCrossEntropyLoss(skip_threshold=TAU, vocab_order="running", backend="triton")
+    counts = None
+    for _ in range(2):
+        xo, wo = leaves(x, w)
+        loss = loss_fn(xo, wo, t)
+        counts = loss_fn.vocab_counts.clone()
+        g = grads(loss, [xo, wo])
+    batch = torch.bincount(t.cpu(), minlength=130).float()
+    torch.testing.assert_close(counts.cpu(), batch * 0.99 + batch)
+    xo, wo = leaves(x, w)
+    same = logitless.linear_cross_entropy(xo, wo, t, skip_threshold=TAU, vocab_order=counts, backend="triton")
+    assert torch.equal(same, loss) and all(torch.equal(a, c) for a, c in zip(grads(same, [xo, wo]), g, strict=True))
+    loss_fn.eval()
+    loss_fn(x, w, t)
+    assert torch.equal(loss_fn.vocab_counts, counts)
