@@ -30,7 +30,7 @@ class HeadArgs(NamedTuple):
     lead_shape: torch.Size
 
 
-def _is_compiling() -> bool:
+def is_compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
@@ -110,7 +110,7 @@ def check_no_transform(op: str) -> None:
     or a torch.library op), with no forward-mode, batching or functional rule: left alone, PyTorch raises a generic
     error for some transforms and, for jvp through a torch.library op, silently returns a zero tangent. Ordinary
     autograd (loss.backward(), torch.autograd.grad) and torch.func.functional_call are unaffected."""
-    if _is_compiling():
+    if is_compiling():
         return
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
     if peek is None or peek() is None:
@@ -160,7 +160,7 @@ def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index:
     t = target.reshape(-1).long().contiguous()
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
     msg = f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}"
-    if _is_compiling() or t.device.type != "cpu":
+    if is_compiling() or t.device.type != "cpu":
         # Fires by the next synchronisation instead of stalling the stream now.
         torch._assert_async(~bad.any(), msg)
     elif t.numel() and bool(bad.any()):

@@ -23,7 +23,7 @@ import torch
 
 from . import _validate, skip_gate, torch_backend, triton_backend
 from ._dispatch import resolve_backend
-from ._validate import _is_compiling
+from ._validate import is_compiling
 from .kernels import current_tuning
 from .loss_math import Stats
 
@@ -85,9 +85,11 @@ def resolve_skip(skip: Skip, x, weight, bias, backend: str) -> Skip:
         return Skip(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold != "auto":
         return done
-    if _is_compiling():
+    if is_compiling():
         return Skip(skip.threshold, skip.vocab_order, skip.bounded, True, True)
-    return done if skip_gate.decide(weight, min_share(x, weight)) else Skip(None, skip.vocab_order, skip.bounded, True, False)
+    if skip_gate.decide(weight, min_share(x, weight)):
+        return done
+    return Skip(None, skip.vocab_order, skip.bounded, True, False)
 
 
 def min_share(x, weight) -> float:
@@ -96,7 +98,7 @@ def min_share(x, weight) -> float:
     Tuning.row_chunk_min_d; eager only) than the column plan (Tuning's skip_min_share*)."""
     tune = current_tuning()
     wide = (x.dtype == torch.bfloat16 and x.shape[1] >= tune.row_chunk_min_d and tune.row_chunks is not False
-            and not _is_compiling())
+            and not is_compiling())
     return tune.skip_min_share_row_chunks if wide else tune.skip_min_share
 
 

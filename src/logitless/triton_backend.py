@@ -232,10 +232,10 @@ def row_chunk_plan(x, w, b, reduction, skip_threshold, vocab_order, workspace_by
     column plan runs: a loss that is not reduced, no gradient wanted now, while torch.compile traces (it keeps the
     op's graph: a forward that computes gradients would hide them from it), skipping or a vocabulary order asked
     for (the column plan's options), an empty or strided operand."""
-    from ._validate import _is_compiling
+    from ._validate import is_compiling
 
     needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
-    if (reduction == "none" or not torch.is_grad_enabled() or not any(needs) or _is_compiling()
+    if (reduction == "none" or not torch.is_grad_enabled() or not any(needs) or is_compiling()
             or skip_threshold not in (None, 0, 0.0) or not (isinstance(vocab_order, str) and vocab_order == "none")
             or x.shape[0] == 0 or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)
             or x.stride(1) != 1 or w.stride(1) != 1):

@@ -94,7 +94,7 @@ class Tuning:
     # (token block, tile) pairs, and runs the dense plans otherwise (skip_gate). The break-even share is lower where
     # the dense alternative is the column plan than where it is the row-chunk plan (three cuBLAS products, bf16 at
     # D >= row_chunk_min_d): skip_min_share_row_chunks (docs/design/skipping.md). 0 skips wherever a plan is
-    # possible (tests, A/B runs).
+    # possible, from a head's first call (tests, A/B runs).
     skip_min_share: float = 0.3
     skip_min_share_row_chunks: float = 0.5
     # ... a head found dense probes again after this many calls, the interval doubling after each dense finding up

@@ -20,12 +20,12 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
     when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
     the gradients until the backward) and the products' own buffers (blocks.budget_beside_products)."""
-    from .._validate import _is_compiling
+    from .._validate import is_compiling
 
     n, D = x.shape
     V = w.shape[0]
     needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
-    if reduction == "none" or n == 0 or V < 2 or not torch.is_grad_enabled() or not any(needs) or _is_compiling():
+    if reduction == "none" or n == 0 or V < 2 or not torch.is_grad_enabled() or not any(needs) or is_compiling():
         return 0
     acc = acc_dtype(x.dtype)
     item = acc.itemsize
