@@ -67,12 +67,15 @@ def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
     return chosen
 
 
-def resolve_skip(skip: Skip, x, weight, bias, backend: str) -> Skip:
+def resolve_skip(skip: Skip, x, weight, bias, backend: str, dense_row_chunks: bool = False) -> Skip:
     """This call's skipping, decided once on the host (no sync): `skip` with resolved=True and threshold None where
     the call runs the dense plans. Nothing is skipped where the backend, the dtype (float32 has no "auto" budget),
     the loss (`bounded`) or the call (no gradient wanted, no rows) leave nothing to skip; a fixed threshold skips
     wherever it can; "auto" asks skip_gate whether skipping pays for this head, or under torch.compile leaves the
-    question to the backward (in_backward), so that the compiled graph never depends on the answer."""
+    question to the backward (in_backward), so that the compiled graph never depends on the answer.
+    dense_row_chunks: the call's dense alternative is the row-chunk plan (three cuBLAS products), against which
+    skipping must leave out a larger share to pay (Tuning.skip_min_share_row_chunks) than against the column plan
+    (Tuning.skip_min_share)."""
     if skip.resolved:
         return skip
     done = Skip(skip.threshold, skip.vocab_order, skip.bounded, True, False)
@@ -87,19 +90,10 @@ def resolve_skip(skip: Skip, x, weight, bias, backend: str) -> Skip:
         return done
     if is_compiling():
         return Skip(skip.threshold, skip.vocab_order, skip.bounded, True, True)
-    if skip_gate.decide(weight, min_share(x, weight)):
+    tune = current_tuning()
+    if skip_gate.decide(weight, tune.skip_min_share_row_chunks if dense_row_chunks else tune.skip_min_share):
         return done
     return Skip(None, skip.vocab_order, skip.bounded, True, False)
-
-
-def min_share(x, weight) -> float:
-    """The skipped share of pairs from which "auto" skipping pays against the dense plan the call would run
-    instead: higher where that is the row-chunk plan (its three cuBLAS products, bf16 at a width from
-    Tuning.row_chunk_min_d; eager only) than the column plan (Tuning's skip_min_share*)."""
-    tune = current_tuning()
-    wide = (x.dtype == torch.bfloat16 and x.shape[1] >= tune.row_chunk_min_d and tune.row_chunks is not False
-            and not is_compiling())
-    return tune.skip_min_share_row_chunks if wide else tune.skip_min_share
 
 
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, backend: str,

@@ -144,10 +144,8 @@ def linear_cross_entropy(
             per_token = per_token + float(z_loss) * z * z
         loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, args.lead_shape)
         return loss.to(torch_backend.acc_dtype(args.x.dtype))
-    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
-    skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
-                             args.weight, args.bias, chosen)
     if chosen == "torch":
+        skip = head.NO_SKIP
         # Training with a reduced loss: the gradients in the forward, three products instead of four.
         rows = torch_backend.fused_rows(args.x, args.weight, args.bias, softcap, reduction)
         if rows:
@@ -155,12 +153,14 @@ def linear_cross_entropy(
                                                             reduction, ignore_index, label_smoothing, z_loss,
                                                             softcap, rows)
     else:
-        # Training with a reduced loss, where the policy finds it faster within the budget: the gradients in the
-        # forward over chunks of full rows of logits (three products; docs/design/row_chunks.md).
-        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, skip.threshold,
-                                             skip.vocab_order if skip.threshold is not None else "none",
-                                             workspace_bytes)
-        if plan is not None:
+        # The dense plan of this call: for a reduced loss whose gradient is wanted, where the policy finds it faster
+        # within the budget, the gradients in the forward over chunks of full rows of logits (three products;
+        # docs/design/row_chunks.md). Whether skipping cold tiles pays is judged against it. Label smoothing adds
+        # -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
+        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, workspace_bytes)
+        skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
+                                 args.weight, args.bias, chosen, dense_row_chunks=plan is not None)
+        if plan is not None and skip.threshold is None:
             return triton_backend.row_chunk_linear_cross_entropy(args.x, args.weight, args.bias, args.target,
                                                                  class_w, reduction, ignore_index, label_smoothing,
                                                                  z_loss, softcap, plan)

@@ -227,16 +227,15 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
 # The row-chunk plan of a reduced loss with a gradient wanted (kernels/linear_head/row_chunks.py)
 
 
-def row_chunk_plan(x, w, b, reduction, skip_threshold, vocab_order, workspace_bytes):
+def row_chunk_plan(x, w, b, reduction, workspace_bytes):
     """The row-chunk plan (kernels.linear_head.plans.row_chunk_plan) for validated 2-D inputs, or None where the
     column plan runs: a loss that is not reduced, no gradient wanted now, while torch.compile traces (it keeps the
-    op's graph: a forward that computes gradients would hide them from it), skipping or a vocabulary order asked
-    for (the column plan's options), an empty or strided operand."""
+    op's graph: a forward that computes gradients would hide them from it), an empty or strided operand. (A call
+    that skips cold tiles runs the column plan: the caller asks only for a dense call.)"""
     from ._validate import is_compiling
 
     needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
     if (reduction == "none" or not torch.is_grad_enabled() or not any(needs) or is_compiling()
-            or skip_threshold not in (None, 0, 0.0) or not (isinstance(vocab_order, str) and vocab_order == "none")
             or x.shape[0] == 0 or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)
             or x.stride(1) != 1 or w.stride(1) != 1):
         return None
