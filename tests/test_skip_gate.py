@@ -81,6 +81,28 @@ def test_a_near_certain_batch_keeps_its_gradient(plans):
     assert len(plans) == 1 and bool(plans[0].hot.all())
 
 
+def test_near_certain_rows_among_uncertain_ones_share_the_batch_budget(plans):
+    # Half the rows ~1 - 1e-6 sure of their target, half split between two classes. Alone, the sure rows' budgets
+    # would keep every tile of their blocks hot; the batch's budget (plans.row_budget) lets them skip, and the whole
+    # gradient stays within the rule against float64 and PyTorch's bf16.
+    x, w, t = peaked_head(n=128)
+    xc, _, tc = peaked_head(n=128, confident=True, seed=3)
+    x, t = torch.cat([x[:64], xc[:64]]), torch.cat([t[:64], tc[:64]])
+    for _ in range(3):
+        w.grad = None
+        loss, dx, dw = step(x, w, t)
+    plan = plans[-1]
+    order = plan.rows.cpu()
+    sure_blocks = [b for b in range(plan.hot.shape[0]) if (order[b * 32:(b + 1) * 32] >= 64).all()]
+    assert sure_blocks and plan.hot[sure_blocks].float().mean() < 0.5
+    ref = [a.detach().double().requires_grad_() for a in (x, w)]
+    pt = [a.detach().clone().requires_grad_() for a in (x, w)]
+    for xs, ws, f in ((ref[0], ref[1], lambda z: z), (pt[0], pt[1], lambda z: z.float())):
+        torch.nn.functional.cross_entropy(f(xs @ ws.T), t).backward()
+    assert_within_rule("d_input", dx, pt[0].grad, ref[0].grad)
+    assert_within_rule("d_weight", dw, pt[1].grad, ref[1].grad)
+
+
 def test_default_runs_dense_on_a_flat_head_and_probes_at_growing_intervals(plans):
     x, w, t = flat_head()
     skipped = []
@@ -141,3 +163,28 @@ def test_under_compile_the_backward_decides_without_recompiling(plans):
             skipped.append(len(plans) > n)
     assert skipped == [False, True, False, True, False]
     torch._dynamo.reset()
+
+
+def test_log_probs_with_entropy_skip_within_the_rule(plans, tune):
+    # RL's objective: per-token weights on the log-probs and on the entropy. The entropy's gradient p_j (z_j - mu)
+    # is bounded through the mass (plans.skip_cost), so its rows skip too, and both gradients stay within the rule.
+    tune(skip_min_share=0.0)
+    x, w, t = peaked_head(n=96)
+    g = torch.Generator().manual_seed(5)
+    g_lp, g_ent = (torch.randn(96, generator=g).to(DEV) for _ in range(2))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = logitless.linear_log_probs(xg, wg, t, return_entropy=True, backend="triton")
+    (lp.float() * g_lp + ent.float() * g_ent).sum().backward()
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+    outs = []
+    for dt in (torch.float64, None):
+        xs, ws = (a.detach().clone().requires_grad_() if dt is None else a.detach().to(dt).requires_grad_()
+                  for a in (x, w))
+        z = (xs @ ws.T).float() if dt is None else xs @ ws.T
+        logp = torch.log_softmax(z, -1)
+        ((logp.gather(1, t[:, None])[:, 0] * g_lp.to(z.dtype)) - (logp.exp() * logp).sum(-1) * g_ent.to(z.dtype)
+         ).sum().backward()
+        outs.append((xs.grad, ws.grad))
+    (rx, rw), (px, pw) = outs
+    assert_within_rule("d_input", xg.grad, px, rx)
+    assert_within_rule("d_weight", wg.grad, pw, rw)

@@ -431,7 +431,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size)
     chosen = head.choose_backend(backend, x, "linear_log_probs")
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
-    skip = head.Skip(skip_threshold, "none", bounded=not return_entropy)
+    skip = head.Skip(skip_threshold, "none")
     st, _, _ = _global_stats(x, w, b, t_local, None, softcap, 1.0 / float(temperature), False, bool(return_entropy),
                              group=group, backend=chosen, skip=skip, workspace_bytes=workspace_bytes)
     logp, ent = loss_math.log_probs_from_stats(st, valid)

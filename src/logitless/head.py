@@ -33,10 +33,10 @@ __all__ = ["HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_coun
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
 HALF_SKIP_THRESHOLD = 2.0**-12
-# skip_threshold="auto": each row's budget is a quarter of the rounding of its largest logit to the input dtype,
-# u max(1, |m_i|) / 4 with u = 2^-9 (bfloat16) or 2^-12 (float16): the rounding that sets PyTorch's own error in the
-# row's gradient (docs/kernels.md, "Sparsity"; measured there against 1/8 and 1/2). Passed to the kernels as a
-# negative threshold (plans.row_budget).
+# skip_threshold="auto": the rows' budgets add up to a quarter of the rounding error PyTorch's own gradient has in the
+# input dtype, in units of u max(1, |m_i|) / 4 with u = 2^-9 (bfloat16) or 2^-12 (float16), shared over the batch
+# by each row's mass outside its top class (docs/kernels.md, "Sparsity"). Passed to the kernels as a negative
+# threshold (plans.row_budget).
 AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 
 

@@ -54,7 +54,7 @@ def linear_log_probs(
         return_entropy: also return the entropy of ``softmax(z / temperature)`` per token.
         skip_threshold: as in :func:`logitless.linear_cross_entropy` (the Triton backward may skip cold tiles that
             hold at most this fraction of a row's probability mass; default ``"auto"``: where it pays, within a
-            quarter of the rounding of each row's largest logit); nothing is skipped with ``return_entropy``.
+            quarter of the rounding of each row's largest logit), the entropy's gradient included.
         workspace_bytes: memory the Triton backward may allocate, as in :func:`logitless.linear_cross_entropy`.
         process_group: vocabulary-parallel group (``linear_weight`` is this rank's shard); see
             :mod:`logitless.distributed`.
@@ -84,7 +84,7 @@ def linear_log_probs(
         logp = torch.where(valid, z * 0.0, 0.0).reshape(args.lead_shape).to(torch_backend.acc_dtype(args.x.dtype))
         return (logp, logp.clone()) if return_entropy else logp
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
-    skip = head.Skip(skip_threshold, "none", bounded=not return_entropy)
+    skip = head.Skip(skip_threshold, "none")
     st = head.stats(args.x, args.weight, args.bias, args.target, None, softcap, 1.0 / float(temperature), False,
                     bool(return_entropy), backend=chosen, skip=skip, ignore_index=ignore_index,
                     workspace_bytes=workspace_bytes)

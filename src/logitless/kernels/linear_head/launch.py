@@ -95,8 +95,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     """Gradients (dx, dw, db) of the head for the per-row coefficients (A, B, C, E); see the package docstring.
     At (with C): the target's column is p_t (At + B (z_t - m)) - C - E w_t (loss_math.head_coefficients).
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
-    only with skip_threshold > 0 and without a B or E term (their error is not bounded by the probability mass
-    alone). workspace_bytes: what the workspaces may take beyond O(N) (plans._workspace; None: the default policy,
+    only with skip_threshold != 0 and without an E term (its error is not bounded by the probability mass;
+    plans.skip_plan bounds the A and B terms'). workspace_bytes: what the workspaces may take beyond O(N) (plans._workspace; None: the default policy,
     plans.default_budget).
     stash: the buffer the forward kept logits in (forward_stats(stash=...), its layout from stash_layout with this
     need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up.
@@ -116,11 +116,10 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     if empty:
         return dx, dw, None if db is None else db.to(b.dtype)
     sp = None
-    if (tile_lse is not None and skip_threshold != 0 and B is None and E is None and plans.skip_supported(x)
-            and N > 0):
+    if tile_lse is not None and skip_threshold != 0 and E is None and plans.skip_supported(x) and N > 0:
         cfg = config_for(x)
         sp = plans.skip_plan(tile_lse, m, logs, A, target if C is not None else None, perm, V, skip_threshold,
-                             cfg.block_n, cfg.block_v, current_tuning().skip_group_rows)
+                             cfg.block_n, cfg.block_v, current_tuning().skip_group_rows, B=B)
         sink = current_tuning().debug_plans
         if sink is not None:
             sink.append(sp)
@@ -147,7 +146,7 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         # and of the per-row vectors, O(N D)) and dx comes back to the input's order at the end.
         def take(t):
             return None if t is None else t.index_select(0, rows)
-        x, target, m, logs, A, C, At = (take(t) for t in (x, target, m, logs, A, C, At))
+        x, target, m, logs, A, B, C, At = (take(t) for t in (x, target, m, logs, A, B, C, At))
     bw = _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes,
                    dx, dw, db, lay, dx_split)
     # cuBLAS's settings saved and restored once per backward, not around each chunk's products (~45 us of host

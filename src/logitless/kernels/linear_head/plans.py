@@ -14,6 +14,8 @@ synchronises with the host.
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import torch
@@ -95,37 +97,66 @@ _HOT_FRACTION = 2.0**-6
 _PLAN_ROWS = 4096
 
 
-def row_budget(m: torch.Tensor, logs: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(N,) float32 mass each row may lose: threshold > 0 for every row; threshold < 0 scales |threshold| by the
-    row's logit magnitude max(1, |m_i|) and by its mass outside its top class, 1 - exp(-logs_i): the rounding of a
-    logit of that size to the input dtype moves each p_ij by about that relative amount, and the L1 norm of the
-    row's gradient, hence PyTorch's own error in it, scales with that mass (docs/kernels.md, "Sparsity")."""
+def row_budget(m: torch.Tensor, logs: torch.Tensor, threshold: float, A: torch.Tensor,
+               B: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) float32 error each gradient row may take from the skipped pairs, in L1 over the row's dL/dz (the cost of
+    skipping is skip_cost's). threshold > 0: threshold (|A_i| + |B_i|), so that a row without an entropy term loses
+    at most threshold of its probability mass. threshold < 0: in units of |threshold| max(1, |m_i|), the rounding of
+    the row's largest logit to the input dtype, which moves each p_ij by about that relative amount; PyTorch's own
+    error in the row's gradient scales with it, with the row's coefficients and with its mass outside its top class
+    (1 - p_max,i = -expm1(-logs_i)): e_i = max(1, |m_i|) (|A_i| + |B_i|) (1 - p_max,i), b_i the same without the
+    last factor. The rule the budget keeps is the batch's (the error of the whole gradient against PyTorch's), so
+    the rows share it: E_i = |threshold| sqrt((e_i^2 + R^2 b_i^2) / 2) with R^2 = sum e^2 / sum b^2, hence
+    sum_i E_i^2 = threshold^2 sum_i e_i^2, what budgets of |threshold| e_i per row would allow; but a near-certain
+    row among uncertain ones may lose more than its own tiny share, and no row gets less than 1/sqrt(2) of its own
+    (docs/kernels.md, "Sparsity"). A batch of near-certain rows has R ~ 1 - p_max: it skips nothing."""
+    coef = A.float().abs() if B is None else A.float().abs() + B.float().abs()
     if threshold > 0:
-        return torch.full_like(m, threshold)
-    return (m.abs().clamp(min=1.0) * -threshold * -torch.expm1(-logs)).clamp_(min=1e-30)
+        return coef * threshold
+    b = m.abs().clamp(min=1.0) * coef
+    e = b * -torch.expm1(-logs.float())
+    r2 = e.square().sum() / b.square().sum().clamp(min=1e-30)
+    return ((e.square() + r2 * b.square()) * 0.5).sqrt_().mul_(-threshold)
 
 
-def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True) -> SkipPlan:
+def skip_cost(r: torch.Tensor, A: torch.Tensor, B: torch.Tensor | None, block_v: int) -> torch.Tensor:
+    """(N, T) bound on the L1 error skipping each (row, tile) pair puts in the row's dL/dz_j = p_j (A + B (z_j -
+    m)), from r (N, T), a bound on the row's mass in the tile: p_j |A + B (z_j - m)| <= |A| p_j + |B| p_j (m - z_j)
+    and m - z_j <= -log p_j, so over a tile of n classes holding mass s <= r <= 1 the error is at most |A| r +
+    |B| r log(n / r) (the sum of -p log p for a mass s over n classes is largest spread evenly, and s log(n / s)
+    grows with s up to n / e)."""
+    c = r * A.float().abs()[:, None]
+    if B is not None:
+        c += B.float().abs()[:, None] * (r * math.log(block_v) - torch.special.xlogy(r, r))
+    return c
+
+
+def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True, B=None
+              ) -> SkipPlan:
     """The cold pairs for the backward, on the device (no host sync).
 
     tile_lse (N, T) float16 holds each row's log-sum-exp over each tile, so row i's probability mass in tile t is
-    at most r_it = exp(widened tile_lse[i, t] - lse_i). Rows with A_i = 0 have no p term to lose (r = 0); a tile
-    holding a row's target is never skipped for its block (the one-hot term). Each row i may lose tau_i
-    (row_budget) in total. With group_rows, rows are first sorted (stably) by the number of tiles that hold more than
+    at most r_it = exp(widened tile_lse[i, t] - lse_i). Skipping the pair costs the row's gradient at most c_it
+    (skip_cost: |A_i| r_it, plus a term with the entropy's coefficient B_i); each row may take E_i (row_budget) in
+    all. Rows with A_i = B_i = 0 have nothing to lose; a tile holding a row's target is never skipped for its block
+    (the one-hot term). With group_rows, rows are first sorted (stably) by the number of tiles whose cost is more than
     _HOT_FRACTION of their budget, so that a block's rows share their cold tiles; the plan's blocks are blocks of
-    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest r_it / tau_i over
-    the block's rows while every row's running sum of r_it / tau_i stays <= 1. So every row loses at most tau_i of its
-    mass, and each gradient row at most tau_i |A_i| (docs/kernels.md)."""
+    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest c_it / E_i over
+    the block's rows while every row's running sum of c_it / E_i stays <= 1. So each gradient row changes by at most
+    E_i in L1, and without B, every row loses at most E_i / |A_i| of its mass (docs/kernels.md)."""
     N, T = tile_lse.shape
-    B = cdiv(N, block_n)
+    n_blocks = cdiv(N, block_n)
     dev = m.device
     lse = m + logs
-    tau = row_budget(m, logs, threshold)
-    # r_it / tau_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
-    # column per row), +inf at each row's target tile, 0 for rows with A = 0. The exponent is widened by the float16
-    # rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
+    # c_it / E_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
+    # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
+    # the float16 rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
     u = tile_lse.float()
-    q = (u + u.abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().div_(tau[:, None])
+    r = (u + u.abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().clamp_(max=1.0)
+    budget = row_budget(m, logs, threshold, A, B)
+    q = skip_cost(r, A, B, block_v).div_(budget.clamp(min=1e-30)[:, None])
+    if current_tuning().debug_plans is None:
+        del r
     if target is not None:
         pos = target
         if perm is not None:
@@ -133,13 +164,13 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         valid = (target >= 0) & (target < V)
         tt = torch.where(valid, pos // block_v, 0)[:, None]
         q.scatter_(1, tt, torch.where(valid[:, None], float("inf"), q.gather(1, tt)))
-    q.masked_fill_((A == 0)[:, None], 0.0)
+    q.masked_fill_((budget == 0)[:, None], 0.0)
     rows = None
-    if group_rows and B > 1:
+    if group_rows and n_blocks > 1:
         rows = torch.sort((q > _HOT_FRACTION).sum(1), stable=True).indices
     # Per block of (ordered) rows: the longest prefix of its tiles, sorted by their largest relative mass, that
     # keeps every row's running sum within its budget (float32 sums: the 2^-16 margin covers their rounding).
-    cold = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    cold = torch.zeros(n_blocks, T, dtype=torch.bool, device=dev)
     step = max(1, _PLAN_ROWS // block_n) * block_n
     for lo in range(0, N, step):
         hi = min(lo + step, N)
@@ -152,11 +183,11 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     hot = ~cold
     row_bound = None
     if current_tuning().debug_plans is not None:
-        # Each row's bound on its skipped mass, in input row order.
+        # Each row's bound on its skipped mass, in input row order (0 for rows without coefficients).
         blk = torch.arange(N, device=dev) // block_n
         if rows is not None:
             blk = torch.empty_like(blk).index_copy_(0, rows, blk)
-        row_bound = (torch.where(cold[blk], q, 0.0).sum(1, dtype=torch.float64) * tau).float()
+        row_bound = torch.where(cold[blk] & (budget > 0)[:, None], r, 0.0).sum(1, dtype=torch.float64).float()
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(
