@@ -96,8 +96,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     At (with C): the target's column is p_t (At + B (z_t - m)) - C - E w_t (loss_math.head_coefficients).
     perm and tile_lse are the forward's (same x and w; perm made with the same workspace_bytes); pairs are skipped
     only with skip_threshold != 0 and without an E term (its error is not bounded by the probability mass;
-    plans.skip_plan bounds the A and B terms'). workspace_bytes: what the workspaces may take beyond O(N) (plans._workspace; None: the default policy,
-    plans.default_budget).
+    plans.skip_plan bounds the A and B terms'). workspace_bytes: what the workspaces may take beyond O(N)
+    (plans._workspace; None: the default policy, plans.default_budget).
     stash: the buffer the forward kept logits in (forward_stats(stash=...), its layout from stash_layout with this
     need_dx and workspace_bytes); it becomes dw (need_dw must be set), and its contents are used up.
     on_plan: called with the SkipPlan where the backward makes one (the skipping gate's record)."""

@@ -15,7 +15,6 @@ synchronises with the host.
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
