@@ -111,12 +111,13 @@ def main():
             a = torch.randn(N, device=args.device, generator=g)
             b = torch.randn(N, device=args.device, generator=g) * 0.01
             rx, rw = reference(x, w, t, a, b)
-            compiled = torch.compile(naive)
+            def make(fn, **kw):
+                return lambda xs, ws, t=t, a=a, b=b: fn(xs, ws, t, a, b, **kw)
             provs = {
-                "logitless": lambda xs, ws: ours(xs, ws, t, a, b),
-                "logitless-dense": lambda xs, ws: ours(xs, ws, t, a, b, skip_threshold=None),
-                "torch-compile": lambda xs, ws: compiled(xs, ws, t, a, b),
-                "torch-eager": lambda xs, ws: naive(xs, ws, t, a, b),
+                "logitless": make(ours),
+                "logitless-dense": make(ours, skip_threshold=None),
+                "torch-compile": make(torch.compile(naive)),
+                "torch-eager": make(naive),
             }
             rec = {"data": kind, "N": N, "D": D, "V": V, "desc": head.description}
             for name, fn in provs.items():
