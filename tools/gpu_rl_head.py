@@ -40,6 +40,10 @@ def ours(x, w, t, a, b, **kw):
     return (lp.float() * a + ent.float() * b).sum()
 
 
+def bind(fn, t, a, b, **kw):
+    return lambda xs, ws: fn(xs, ws, t, a, b, **kw)
+
+
 def reference(x, w, t, a, b, rows=1024):
     """float64 d_input and d_weight of the objective, row chunk by row chunk (no N x V float64 logits)."""
     w64 = w.double()
@@ -111,13 +115,11 @@ def main():
             a = torch.randn(N, device=args.device, generator=g)
             b = torch.randn(N, device=args.device, generator=g) * 0.01
             rx, rw = reference(x, w, t, a, b)
-            def make(fn, **kw):
-                return lambda xs, ws, t=t, a=a, b=b: fn(xs, ws, t, a, b, **kw)
             provs = {
-                "logitless": make(ours),
-                "logitless-dense": make(ours, skip_threshold=None),
-                "torch-compile": make(torch.compile(naive)),
-                "torch-eager": make(naive),
+                "logitless": bind(ours, t, a, b),
+                "logitless-dense": bind(ours, t, a, b, skip_threshold=None),
+                "torch-compile": bind(torch.compile(naive), t, a, b),
+                "torch-eager": bind(naive, t, a, b),
             }
             rec = {"data": kind, "N": N, "D": D, "V": V, "desc": head.description}
             for name, fn in provs.items():
