@@ -100,12 +100,12 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp",
     for name, version in versions.items():
         use(version)
         with tuned(version):
-            got = (logp(), *fwdbwd())
+            # (the gradients only where they are timed: a revision's backward may not take today's arguments)
+            got = (logp(), *(fwdbwd() if {"fwd", "fwdbwd"} & set(cases) else ()))
         if first is None:
             first = got
         else:  # each version against A
-            out[f"diff {name}"] = {k: rel_diff(u, v)
-                                   for k, u, v in zip(("logp", "loss", "dx", "dw"), first, got, strict=True)}
+            out[f"diff {name}"] = {k: rel_diff(u, v) for k, u, v in zip(("logp", "loss", "dx", "dw"), first, got)}
         del got
     del first
     steps = [c for c in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)) if c[0] in cases]

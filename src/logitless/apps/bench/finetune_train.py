@@ -170,6 +170,14 @@ def train(spec: dict) -> dict:
            "tokens_per_s": tokens / (med * 1e-3) if ms else math.nan, "peak_step_bytes": peak_step,
            "peak_total_bytes": peak_total, "first_step_s": first_step_s, "load_s": load_s,
            "steps": steps, "warmup": warmup, "torch": torch.__version__}
+    if v is not None and v.patch == "logitless":
+        from logitless import skip_gate
+
+        # what the default's skipping gate made of the head (for the table: the share of pairs its last plan skipped)
+        head = lm.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            rec["skip_state"], rec["skipped"] = skip_gate.state(weight), skip_gate.last_share(weight)
     if v is not None and v.patch == "liger":
         rec["liger"] = getattr(sys.modules.get("liger_kernel"), "__version__", None)
     return rec
