@@ -6,9 +6,11 @@ Each provider runs in its own process (so that peak memory is its own): the mode
 ignored, then a completion):
   - ``train``: the training call, ``model(..., fused_lm_head=True)`` and the backward of GRPO's loss shape (each
     sequence's advantage times its completion's log-probs, over the completion tokens, plus an entropy bonus):
-    forward + backward, backbone included, as the trainer runs it; generation is not part of it;
+    forward + backward, backbone included, as the trainer runs it (with gradient checkpointing, TRL's default;
+    ``--checkpointing off`` keeps every activation); generation is not part of it;
   - ``no_grad``: the reference / old-policy pass under ``torch.no_grad()``;
-  - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated``; CPU: peak RSS);
+  - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated`` over the timed
+    calls; CPU: the tensors' bytes live at once in one more call, from the profiler's memory events);
   - the log-probs' largest and mean difference from the other provider's, a sanity check (not the precision test):
     above 1e-3 (fp32) or 0.5 (bf16: TRL rounds the logits to bf16) the run fails.
 
@@ -44,27 +46,6 @@ PROVIDERS = ("trl", "logitless")
 AGREE = {"fp32": 1e-3, "bf16": 0.5}  # largest |trl - logitless| of a log-prob that still passes the sanity check
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_rss_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _gguf_file(spec: str) -> Path:
     """A GGUF file given as a path, or as a model of logitless.apps.bench.real (its installed PyPI package)."""
     if Path(spec).is_file():
@@ -98,7 +79,11 @@ def _model(args, device, dtype):
         # A GGUF file is dequantised to float32 by transformers; the cast to --dtype follows.
         load_dtype = torch.float32 if extra else dtype
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, **extra).to(dtype)
-    return model.to(device).train()
+    model = model.to(device).train()
+    if args.checkpointing == "on":  # TRL's trainers enable it by default (gradient_checkpointing=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
 
 
 def _text_rows(args, rows: int, length: int) -> tuple[torch.Tensor, str]:
@@ -192,22 +177,23 @@ def run_one(args) -> dict:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            else:
-                _reset_rss_peak()
-                base = _rss_bytes()
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
             if i:  # the first repeat warms this path's caches
                 times[name].append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
-            peaks[name] = max(peaks.get(name, 0), peak - base)
+            if device.type == "cuda":
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - base)
+        if device.type == "cpu":  # one more, untimed call: the profiler's record of tensor allocations
+            from logitless.apps.bench.measure import _cpu_peak
+
+            peaks[name] = _cpu_peak(fn)[0]
     torch.save(lp.float().cpu(), args.save)
     nll = float(-lp.float()[scored].mean())
     return dict(provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 model=type(model).__name__, dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt,
-                completion=args.completion, completion_nll=nll, load_s=t_load,
+                completion=args.completion, checkpointing=args.checkpointing, completion_nll=nll, load_s=t_load,
                 train_s=sorted(times["train"])[len(times["train"]) // 2],
                 no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
                 train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
@@ -240,6 +226,8 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--checkpointing", choices=("on", "off"), default="on",
+                   help="gradient checkpointing of the backbone (on: TRL's trainers' default)")
     p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
@@ -253,10 +241,12 @@ def main() -> None:
     if args.prompt < 1 or args.completion < 1 or args.batch < 1:
         p.error("--batch, --prompt and --completion must be positive")
     out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    t0 = time.perf_counter()
     ids, text = batch_ids(args)
+    tokenize_s = time.perf_counter() - t0
     ids_file = out_dir / f"gpu_trl_{os.getpid()}_ids.pt"
     torch.save(ids, ids_file)
-    print(f"tokens: {args.batch} x ({args.prompt} + {args.completion}) of {text}", flush=True)
+    print(f"tokens: {args.batch} x ({args.prompt} + {args.completion}) of {text} ({tokenize_s:.0f} s)", flush=True)
     rows, logps = [], {}
     try:
         for provider in PROVIDERS:
@@ -279,14 +269,15 @@ def main() -> None:
     ratios = {k: ours[k] / trl_row[k] if trl_row[k] else None
               for k in ("train_s", "no_grad_s", "train_peak_mib", "no_grad_peak_mib")}
     if args.json:
-        report = dict(rows=rows, text=text, log_prob_max_abs_diff=diff, log_prob_mean_abs_diff=mean_diff,
-                      agree=agree, agree_tolerance=AGREE[args.dtype], logitless_over_trl=ratios,
-                      versions=_versions(), argv=sys.argv[1:])
+        report = dict(rows=rows, text=text, tokenize_s=tokenize_s, log_prob_max_abs_diff=diff,
+                      log_prob_mean_abs_diff=mean_diff, agree=agree, agree_tolerance=AGREE[args.dtype],
+                      logitless_over_trl=ratios, versions=_versions(), argv=sys.argv[1:])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     r0 = rows[0]
     print(f"\n{r0['model']} ({r0['vocab']} classes), {r0['dtype']}, {r0['batch']} x ({r0['prompt']} + "
-          f"{r0['completion']}) tokens on {r0['device']}; completion NLL {r0['completion_nll']:.3f} (trl), "
+          f"{r0['completion']}) tokens on {r0['device']}, checkpointing {r0['checkpointing']}")
+    print(f"completion NLL (temperature {args.temperature:g}): {r0['completion_nll']:.3f} (trl), "
           f"{ours['completion_nll']:.3f} (logitless)")
     print(f"log-probs: |trl - logitless| max {diff:.3g}, mean {mean_diff:.3g}: "
           f"{'agree' if agree else 'DISAGREE'} (tolerance {AGREE[args.dtype]:g})")
