@@ -7,7 +7,8 @@ ignored, then a completion):
   - ``train``: the training call, ``model(..., fused_lm_head=True)`` and the backward of GRPO's loss shape (each
     sequence's advantage times its completion's log-probs, over the completion tokens, plus an entropy bonus):
     forward + backward, backbone included, as the trainer runs it (with gradient checkpointing, TRL's default;
-    ``--checkpointing off`` keeps every activation); generation is not part of it;
+    ``--checkpointing off`` keeps every activation, ``both`` measures both on one loaded model); generation is
+    not part of it;
   - ``no_grad``: the reference / old-policy pass under ``torch.no_grad()``;
   - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated`` over the timed
     calls; CPU: the tensors' bytes live at once in one more call, from the profiler's memory events);
@@ -80,10 +81,15 @@ def _model(args, device, dtype):
         load_dtype = torch.float32 if extra else dtype
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, **extra).to(dtype)
     model = model.to(device).train()
-    if args.checkpointing == "on":  # TRL's trainers enable it by default (gradient_checkpointing=True)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
+
+
+def _set_checkpointing(model, setting: str) -> None:
+    if setting == "on":  # TRL's trainers enable it by default (gradient_checkpointing=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def _text_rows(args, rows: int, length: int) -> tuple[torch.Tensor, str]:
@@ -127,7 +133,8 @@ def batch_ids(args) -> tuple[torch.Tensor, str]:
     return _text_rows(args, args.batch, t)
 
 
-def run_one(args) -> dict:
+def run_one(args) -> list[dict]:
+    """One provider's rows, one per checkpointing setting, on one loaded model."""
     from trl.trainer.utils import add_fused_lm_head
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,37 +174,46 @@ def run_one(args) -> dict:
         with torch.no_grad():
             return model(**batch, fused_lm_head=True).log_probs
 
-    lp = train_step()  # warm-up (allocates the gradients), also the reference values
-    no_grad_pass()
-    sync()
-    times = {"train": [], "no_grad": []}
-    peaks = {}
-    for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
-        for i in range(args.repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i:  # the first repeat warms this path's caches
-                times[name].append(time.perf_counter() - t0)
-            if device.type == "cuda":
-                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - base)
-        if device.type == "cpu":  # one more, untimed call: the profiler's record of tensor allocations
-            from logitless.apps.bench.measure import _cpu_peak
+    rows = []
+    for setting in _settings(args.checkpointing):
+        _set_checkpointing(model, setting)
+        lp = train_step()  # warm-up (allocates the gradients), also the values compared between providers
+        no_grad_pass()
+        sync()
+        times = {"train": [], "no_grad": []}
+        peaks = {}
+        for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
+            for i in range(args.repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i:  # the first repeat warms this path's caches
+                    times[name].append(time.perf_counter() - t0)
+                if device.type == "cuda":
+                    peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - base)
+            if device.type == "cpu":  # one more, untimed call: the profiler's record of tensor allocations
+                from logitless.apps.bench.measure import _cpu_peak
 
-            peaks[name] = _cpu_peak(fn)[0]
-    torch.save(lp.float().cpu(), args.save)
-    nll = float(-lp.float()[scored].mean())
-    return dict(provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                model=type(model).__name__, dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt,
-                completion=args.completion, checkpointing=args.checkpointing, completion_nll=nll, load_s=t_load,
-                train_s=sorted(times["train"])[len(times["train"]) // 2],
-                no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
-                train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
-                torch=torch.__version__)
+                peaks[name] = _cpu_peak(fn)[0]
+        if not rows:
+            torch.save(lp.float().cpu(), args.save)
+        rows.append(dict(
+            provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            model=type(model).__name__, dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt,
+            completion=args.completion, checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
+            load_s=t_load, train_s=sorted(times["train"])[len(times["train"]) // 2],
+            no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
+            train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
+            torch=torch.__version__))
+    return rows
+
+
+def _settings(checkpointing: str) -> tuple[str, ...]:
+    return ("on", "off") if checkpointing == "both" else (checkpointing,)
 
 
 def _versions() -> dict:
@@ -226,8 +242,9 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--checkpointing", choices=("on", "off"), default="on",
-                   help="gradient checkpointing of the backbone (on: TRL's trainers' default)")
+    p.add_argument("--checkpointing", choices=("on", "off", "both"), default="on",
+                   help="gradient checkpointing of the backbone (on: TRL's trainers' default; both: on, then off, "
+                        "on the same loaded model)")
     p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
@@ -256,18 +273,22 @@ def main() -> None:
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 sys.exit(f"{provider} failed:\n{res.stderr[-4000:]}")
-            rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            for row in json.loads(res.stdout.strip().splitlines()[-1]):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             logps[provider] = torch.load(save)
             save.unlink()
-            print(json.dumps(rows[-1]), flush=True)
     finally:
         ids_file.unlink()
     d = (logps["trl"] - logps["logitless"]).abs()
     diff, mean_diff = float(d.max()), float(d.mean())
     agree = diff <= AGREE[args.dtype]
-    trl_row, ours = rows
-    ratios = {k: ours[k] / trl_row[k] if trl_row[k] else None
-              for k in ("train_s", "no_grad_s", "train_peak_mib", "no_grad_peak_mib")}
+    keys = ("train_s", "no_grad_s", "train_peak_mib", "no_grad_peak_mib")
+    ratios = {}
+    for setting in _settings(args.checkpointing):
+        trl_row, ours = (next(r for r in rows if r["provider"] == pr and r["checkpointing"] == setting)
+                         for pr in PROVIDERS)
+        ratios[setting] = {k: ours[k] / trl_row[k] if trl_row[k] else None for k in keys}
     if args.json:
         report = dict(rows=rows, text=text, tokenize_s=tokenize_s, log_prob_max_abs_diff=diff,
                       log_prob_mean_abs_diff=mean_diff, agree=agree, agree_tolerance=AGREE[args.dtype],
@@ -275,23 +296,24 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     r0 = rows[0]
+    nll = ", ".join(f"{r['completion_nll']:.3f} ({r['provider']})" for r in rows
+                    if r["checkpointing"] == r0["checkpointing"])
     print(f"\n{r0['model']} ({r0['vocab']} classes), {r0['dtype']}, {r0['batch']} x ({r0['prompt']} + "
-          f"{r0['completion']}) tokens on {r0['device']}, checkpointing {r0['checkpointing']}")
-    print(f"completion NLL (temperature {args.temperature:g}): {r0['completion_nll']:.3f} (trl), "
-          f"{ours['completion_nll']:.3f} (logitless)")
+          f"{r0['completion']}) tokens of {text}, on {r0['device']}")
+    print(f"completion NLL (temperature {args.temperature:g}): {nll}")
     print(f"log-probs: |trl - logitless| max {diff:.3g}, mean {mean_diff:.3g}: "
           f"{'agree' if agree else 'DISAGREE'} (tolerance {AGREE[args.dtype]:g})")
-    print("| provider | train fwd+bwd (s) | no-grad pass (s) | train peak (MiB) | no-grad peak (MiB) |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['provider']} | {r['train_s']:.4f} | {r['no_grad_s']:.4f} | {r['train_peak_mib']:.1f} | "
-              f"{r['no_grad_peak_mib']:.1f} |")
-    fmt = {k: f"{x:.3f}" if x is not None else "-" for k, x in ratios.items()}
-    print(f"| logitless / trl | {fmt['train_s']} | {fmt['no_grad_s']} | {fmt['train_peak_mib']} | "
-          f"{fmt['no_grad_peak_mib']} |")
+    print("| checkpointing | provider | train fwd+bwd (s) | no-grad pass (s) | train peak (MiB) | no-grad peak (MiB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for setting in _settings(args.checkpointing):
+        for r in (r for r in rows if r["checkpointing"] == setting):
+            print(f"| {setting} | {r['provider']} | {r['train_s']:.4f} | {r['no_grad_s']:.4f} | "
+                  f"{r['train_peak_mib']:.1f} | {r['no_grad_peak_mib']:.1f} |")
+        f = {k: f"{x:.3f}" if x is not None else "-" for k, x in ratios[setting].items()}
+        print(f"| {setting} | logitless / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
+              f"{f['no_grad_peak_mib']} |")
     if not agree:
         sys.exit("the providers' log-probs disagree: see the largest difference above")
-
 
 if __name__ == "__main__":
     main()
