@@ -203,8 +203,9 @@ def run_one(args) -> list[dict]:
             torch.save(lp.float().cpu(), args.save)
         rows.append(dict(
             provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            model=type(model).__name__, dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt,
-            completion=args.completion, checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
+            model=type(model).__name__, attention=getattr(model.config, "_attn_implementation", None),
+            dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt, completion=args.completion,
+            checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
             load_s=t_load, train_s=sorted(times["train"])[len(times["train"]) // 2],
             no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
             train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
