@@ -64,7 +64,7 @@ class Tuning:
     # ... the policy's width from which it pays: it saves the recomputing product (2 N V D FLOP, less the stash's
     # share) and costs memory passes over the bf16 logits (about 5 x 2 N V bytes), so it wins from a width on
     # (docs/design/row_chunks.md).
-    row_chunk_min_d: int = 2048
+    row_chunk_min_d: int = 1024
     # ... rows per chunk at least (all of them when fewer): smaller products leave cuBLAS's fast path.
     row_chunk_min_rows: int = 1024
     # ... chunks at most when the weight's gradient is accumulated in bf16 (one rounding per chunk; the bound:
