@@ -224,3 +224,25 @@ def test_public_ops_go_through_the_head_op():
     found = _bypasses()
     assert found - BYPASSES == set(), "\n".join(f"{a} imports {b}" for a, b in sorted(found - BYPASSES))
     assert BYPASSES - found == set(), f"no longer imported, remove: {sorted(BYPASSES - found)}"
+
+
+def _fake_registrations(path: Path) -> list[str]:
+    """The fake implementations that `path` registers, by name: a lambda is "<lambda>", a function named `_` is
+    "_" (names that a traceback or a profile of a traced graph cannot tell apart)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef):
+            names += [node.name for d in node.decorator_list
+                      if isinstance(d, ast.Attribute) and d.attr == "register_fake"]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "register_fake" and node.args):
+            arg = node.args[0]
+            names.append("<lambda>" if isinstance(arg, ast.Lambda) else getattr(arg, "id", "?"))
+    return names
+
+
+def test_fake_registrations_are_named():
+    found = {name: _fake_registrations(path) for name, path in MODULES.items()}
+    assert sum(map(len, found.values())) >= 5, found  # the parser sees the registrations
+    unnamed = [f"{m}: {n}" for m, names in found.items() for n in names if n in ("_", "<lambda>", "?")]
+    assert not unnamed, "\n".join(unnamed)

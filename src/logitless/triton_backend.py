@@ -77,8 +77,8 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
 
 
 @_stats_op.register_fake
-def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-      skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
+def _stats_fake(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm,
+                want_tiles, skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
     tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float16)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
@@ -125,8 +125,8 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
 
 
 @_grad_op.register_fake
-def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
+def _grad_fake(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
+               need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -145,8 +145,8 @@ def _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, so
 
 
 @_grad_into_op.register_fake
-def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
+def _grad_into_fake(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
+                    need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, db

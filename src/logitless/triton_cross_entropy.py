@@ -38,20 +38,26 @@ def _fwd_fake(logits, *args):
     return logits.new_empty(N, **f32), logits.new_empty(N, **f32), logits.new_empty(N, 2, **f32)
 
 
+def _fwd(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap):
+    return _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False)
+
+
+def _fwd_inplace(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap):
+    return _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True)
+
+
 _fwd_op = torch.library.custom_op(
     "logitless::cross_entropy_fwd", mutates_args=(),
     schema=f"(Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
            "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False))
+)(_fwd)
 _fwd_op.register_fake(_fwd_fake)
 
 _fwd_inplace_op = torch.library.custom_op(
     "logitless::cross_entropy_fwd_inplace", mutates_args=("logits",),
     schema=f"(Tensor(a!) logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
            "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True))
+)(_fwd_inplace)
 _fwd_inplace_op.register_fake(_fwd_fake)
 
 
@@ -67,7 +73,11 @@ _bwd_op = torch.library.custom_op(
     schema=f"(Tensor grad, Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, "
            f"Tensor stats, {_OPT_ARGS}) -> Tensor",
 )(_bwd_impl)
-_bwd_op.register_fake(lambda grad, logits, *args: torch.empty_like(logits, memory_format=torch.contiguous_format))
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad, logits, *args):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _scale_impl(buf, grad):
@@ -77,7 +87,11 @@ def _scale_impl(buf, grad):
 _scale_op = torch.library.custom_op(
     "logitless::cross_entropy_scale_", mutates_args=("buf",), schema="(Tensor(a!) buf, Tensor grad) -> ()",
 )(_scale_impl)
-_scale_op.register_fake(lambda buf, grad: None)
+
+
+@_scale_op.register_fake
+def _scale_fake(buf, grad):
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def _rows2(R, like):
 
 
 @_loss_op.register_fake
-def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+def _loss_fake(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
     return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(5)) + (
         xs.new_empty((2, xs.shape[0]), dtype=torch.float32),)
 
@@ -76,8 +76,8 @@ def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta,
 
 
 @_grad_op.register_fake
-def _(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx, need_dw,
-      need_db, workspace_bytes):
+def _grad_fake(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
+               need_dw, need_db, workspace_bytes):
     dx = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_dx else xs.new_empty(0)
     dw = torch.empty_like(ws, memory_format=torch.contiguous_format) if need_dw else xs.new_empty(0)
     db = torch.empty_like(bs) if need_db and bs is not None else xs.new_empty(0)
