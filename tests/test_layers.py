@@ -190,23 +190,12 @@ def test_no_private_name_imported_from_another_package():
     assert PRIVATE_IMPORTS - found == set(), f"no longer imported, remove: {sorted(PRIVATE_IMPORTS - found)}"
 
 
-# The public ops reach the backends and kernels through the head op only, and vocabulary parallelism through the
-# head op too. Imports that do not yet; each entry goes when its import does.
+# The public ops reach the backends and kernels through the head op only (head.py: the one-head statistics, the
+# fused plans, the one-class closed form, the two-head losses, cross-entropy on given logits), and vocabulary
+# parallelism through the head op too. Imports that do not (none); an entry would go when its import does.
 OPS = ("linear_cross_entropy", "log_probs", "cross_entropy", "distill", "nn")
 BELOW_THE_HEAD_OP = ("torch_backend", "triton_backend", "triton_two_heads", "triton_cross_entropy", "kernels")
-BYPASSES = {
-    # cross-entropy on given logits and the two-head losses have no head op of their own yet: their public
-    # modules choose between their two backends themselves
-    ("logitless.cross_entropy", "logitless.torch_backend.cross_entropy"),
-    ("logitless.cross_entropy", "logitless.triton_cross_entropy"),
-    ("logitless.distill", "logitless.torch_backend.two_heads"),
-    ("logitless.distill", "logitless.triton_two_heads"),
-    # the one-class closed form, the accumulation dtype and the fused PyTorch training path
-    ("logitless.distributed", "logitless.torch_backend"),
-    ("logitless.linear_cross_entropy", "logitless.torch_backend"),
-    ("logitless.linear_cross_entropy", "logitless.triton_backend"),
-    ("logitless.log_probs", "logitless.torch_backend"),
-}
+BYPASSES: set[tuple[str, str]] = set()
 
 
 def _bypasses() -> set[tuple[str, str]]:

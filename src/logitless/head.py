@@ -21,14 +21,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, skip_gate, torch_backend, triton_backend
+from . import _validate, skip_gate, torch_backend, triton_backend, triton_cross_entropy, triton_two_heads
 from ._dispatch import resolve_backend
 from ._validate import is_compiling
 from .kernels import current_tuning
 from .loss_math import Stats
+from .torch_backend import cross_entropy as torch_cross_entropy
+from .torch_backend import two_heads as torch_two_heads
 
-__all__ = ["HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_counts", "resolve_skip",
-           "running_class_counts", "stats"]
+__all__ = ["HALF_SKIP_THRESHOLD", "FusedPlan", "Skip", "Stats", "choose_backend", "class_counts",
+           "fused_cross_entropy", "fused_plan", "logits_cross_entropy", "one_class_logits", "resolve_skip",
+           "running_class_counts", "stats", "two_heads_loss"]
 
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
@@ -115,6 +118,81 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
                                     gate_in_backward=skip.in_backward)
     return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy,
                                want_lse)
+
+
+def one_class_logits(x, weight, bias, softcap, inv_temp) -> torch.Tensor:
+    """The (N,) float64 logits of a head with one class (V = 1), differentiable, whatever the backend: its softmax
+    is exactly 1, and every loss of it is a closed form of these logits that gives PyTorch's exact zeros where the
+    general paths leave a rounding (torch_backend.one_class_logits says why float64)."""
+    return torch_backend.one_class_logits(x, weight, bias, softcap, inv_temp)
+
+
+class FusedPlan(NamedTuple):
+    """A plan of linear_cross_entropy that computes the gradients in the forward: `backend`'s, with `plan` its
+    rows per chunk ("torch") or its row-chunk plan ("triton")."""
+
+    backend: str
+    plan: object
+
+
+def fused_plan(x, weight, bias, softcap, reduction: str, backend: str, workspace_bytes) -> FusedPlan | None:
+    """The dense plan of a reduced cross-entropy whose gradient is wanted now, where one computes the gradients in
+    the forward, or None where the head op's statistics run: on the PyTorch backend, chunks of rows over the full
+    vocabulary (torch_backend.fused_rows: three products instead of four); on Triton, where the policy finds it
+    faster within the budget, chunks of full rows of logits (triton_backend.row_chunk_plan,
+    docs/design/row_chunks.md). On Triton, skipping cold tiles is judged against this plan (resolve_skip's
+    dense_row_chunks) and, where it pays, replaces it."""
+    if backend == "torch":
+        rows = torch_backend.fused_rows(x, weight, bias, softcap, reduction)
+        return FusedPlan(backend, rows) if rows else None
+    plan = triton_backend.row_chunk_plan(x, weight, bias, reduction, workspace_bytes)
+    return None if plan is None else FusedPlan(backend, plan)
+
+
+def fused_cross_entropy(fused: FusedPlan, x, weight, bias, target, class_weight, reduction, ignore_index,
+                        label_smoothing, z_loss, softcap) -> torch.Tensor:
+    """The reduced cross-entropy through a plan of fused_plan, on validated inputs (class_weight in the
+    accumulation dtype): the same loss_math terms as the statistics' path."""
+    if fused.backend == "torch":
+        return torch_backend.fused_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
+                                                        ignore_index, label_smoothing, z_loss, softcap, fused.plan)
+    return triton_backend.row_chunk_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
+                                                         ignore_index, label_smoothing, z_loss, softcap, fused.plan)
+
+
+def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp: float, workspace_bytes, *,
+                   backend: str) -> torch.Tensor:
+    """The per-row loss `kind` (loss_math.KINDS) of two validated heads over one vocabulary, (N,) float32 (float64
+    for float64 heads), differentiable with respect to the student's xs, ws and bs; through `backend`
+    (choose_backend): the kernels (triton_two_heads) or the chunked PyTorch twin (torch_backend.two_heads).
+    workspace_bytes is for the Triton backward."""
+    if backend == "triton":
+        return triton_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes)
+    return torch_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
+
+
+def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
+                         softcap, inplace_backward: bool, backend: str):
+    """cross_entropy on validated (N, V) logits: (the reduced loss, lse of the lead shape), through the kernels
+    (triton_cross_entropy) or the chunked PyTorch twin (torch_backend.cross_entropy), chosen from `backend` as the
+    dispatcher says; float64 under "auto", and a one-class head, on the PyTorch path. Each backend reduces the loss
+    itself: the Triton form's in-place gradient is that of the reduced loss."""
+    chosen = resolve_backend(backend, logits2d.device, "cross_entropy")
+    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
+        chosen = "torch"  # float64 has no kernels
+    if logits2d.shape[1] == 1:
+        # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
+        # ulp there (1e-8 with softcap, measured on an H100) where PyTorch gives 0; the PyTorch path transforms the
+        # logits once and gets the exact zeros. N values: nothing to fuse.
+        chosen = "torch"
+    # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
+    inplace_backward = inplace_backward and torch.is_grad_enabled()
+    if inplace_backward:
+        # a copy where strided: the gradient overwrites it, not the caller's
+        logits2d = torch_cross_entropy.unit_class_stride(logits2d)
+    run = torch_cross_entropy.cross_entropy if chosen == "torch" else triton_cross_entropy.cross_entropy
+    return run(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+               inplace_backward)
 
 
 def _skip_plan(x, w, target, skip: Skip, ignore_index, workspace_bytes):

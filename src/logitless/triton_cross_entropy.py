@@ -14,6 +14,7 @@ import torch
 
 from . import _validate
 from ._autograd import first_order_only
+from .torch_backend.cross_entropy import unit_class_stride
 
 # torch.library ops around the launchers, so torch.compile sees each launch as one opaque op.
 
@@ -168,15 +169,4 @@ def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index,
     if reduction == "none":
         loss = loss.reshape(lead_shape)
     return loss, lse.reshape(lead_shape)
-
-
-def unit_class_stride(logits2d: torch.Tensor) -> torch.Tensor:
-    """(N, V) logits with unit stride along the classes: a copy where they are strided, else the same memory. The
-    stride of a class dimension of size 1 (or of an empty tensor) means nothing, and contiguous() keeps whatever it
-    is (a transposed (1, N) tensor has stride N there): such a tensor gets a view with stride 1 instead."""
-    if logits2d.stride(1) == 1:
-        return logits2d
-    if logits2d.shape[1] == 1 or logits2d.numel() == 0:
-        return logits2d.as_strided(logits2d.shape, (logits2d.stride(0), 1))
-    return logits2d.contiguous()
 
