@@ -1,4 +1,4 @@
-"""The head op: one contract, the backends behind it.
+"""The head op: one contract, the backends behind it, and the only door from a public op to a backend.
 
 ``stats(...)`` returns the per-row statistics of a linear head (loss_math.Stats: row max, log-sum-exp, target
 logit, smoothing sum, entropy), differentiable with respect to the input, the weight and the bias; its backward is
@@ -13,6 +13,15 @@ path shares the loss code and every option of the backward: ``workspace_bytes`` 
 take; the PyTorch backend sizes its blocks by the default policy and ignores it), ``skip_threshold`` /
 ``vocab_order`` (cold tiles the Triton backward may skip; the PyTorch backend computes every block), and the stash
 (the Triton forward keeps logits for the backward where the weight gradient's buffer has room).
+
+Every other backend choice of a public op is made here too, behind one call each: the fused plans of a reduced
+cross-entropy whose gradient is wanted (fused_plan, fused_cross_entropy), the one-class closed form
+(one_class_logits), the two-head losses (two_heads_loss) and cross-entropy on given logits (logits_cross_entropy).
+
+The Triton backends (triton_backend.py, triton_two_heads.py, triton_cross_entropy.py) import Triton with the kernels
+they launch, by plain names. This module imports them inside the calls that chose Triton, and no other module of
+the package does: that is the one lazy boundary that keeps `import logitless` working where Triton is absent or
+cannot run (a CPU-only install).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, skip_gate, torch_backend, triton_backend, triton_cross_entropy, triton_two_heads
+from . import _validate, skip_gate, torch_backend
 from ._dispatch import resolve_backend
 from ._validate import is_compiling
 from .kernels import current_tuning
@@ -86,8 +95,11 @@ def resolve_skip(skip: Skip, x, weight, bias, backend: str, dense_row_chunks: bo
         return Skip(None, skip.vocab_order, skip.bounded, True, False)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not (backend == "triton" and grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
-            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)
-            and triton_backend.kernels().skip_supported(x)):
+            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)):
+        return Skip(None, skip.vocab_order, skip.bounded, True, False)
+    from .triton_backend import skip_supported
+
+    if not skip_supported(x):
         return Skip(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold != "auto":
         return done
@@ -110,6 +122,8 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     order. want_lse: the lse statistic, for a term whose gradient must stay apart from logs' (the z-loss;
     loss_math's module docstring)."""
     if backend == "triton" and weight.shape[0] > 0:
+        from . import triton_backend
+
         skip = resolve_skip(skip, x, weight, bias, backend)
         perm, want_tiles, tau = _skip_plan(x, weight, target, skip, ignore_index, workspace_bytes)
         return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
@@ -145,7 +159,9 @@ def fused_plan(x, weight, bias, softcap, reduction: str, backend: str, workspace
     if backend == "torch":
         rows = torch_backend.fused_rows(x, weight, bias, softcap, reduction)
         return FusedPlan(backend, rows) if rows else None
-    plan = triton_backend.row_chunk_plan(x, weight, bias, reduction, workspace_bytes)
+    from .triton_backend import row_chunk_plan
+
+    plan = row_chunk_plan(x, weight, bias, reduction, workspace_bytes)
     return None if plan is None else FusedPlan(backend, plan)
 
 
@@ -156,8 +172,10 @@ def fused_cross_entropy(fused: FusedPlan, x, weight, bias, target, class_weight,
     if fused.backend == "torch":
         return torch_backend.fused_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
                                                         ignore_index, label_smoothing, z_loss, softcap, fused.plan)
-    return triton_backend.row_chunk_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
-                                                         ignore_index, label_smoothing, z_loss, softcap, fused.plan)
+    from .triton_backend import row_chunk_linear_cross_entropy
+
+    return row_chunk_linear_cross_entropy(x, weight, bias, target, class_weight, reduction, ignore_index,
+                                          label_smoothing, z_loss, softcap, fused.plan)
 
 
 def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp: float, workspace_bytes, *,
@@ -167,6 +185,8 @@ def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_
     (choose_backend): the kernels (triton_two_heads) or the chunked PyTorch twin (torch_backend.two_heads).
     workspace_bytes is for the Triton backward."""
     if backend == "triton":
+        from . import triton_two_heads
+
         return triton_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes)
     return torch_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
 
@@ -190,7 +210,10 @@ def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore
     if inplace_backward:
         # a copy where strided: the gradient overwrites it, not the caller's
         logits2d = torch_cross_entropy.unit_class_stride(logits2d)
-    run = torch_cross_entropy.cross_entropy if chosen == "torch" else triton_cross_entropy.cross_entropy
+    if chosen == "torch":
+        run = torch_cross_entropy.cross_entropy
+    else:
+        from .triton_cross_entropy import cross_entropy as run
     return run(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
                inplace_backward)
 
@@ -200,13 +223,14 @@ def _skip_plan(x, w, target, skip: Skip, ignore_index, workspace_bytes):
     vocabulary ordered, only when the backward may skip. The order depends on the backward's workspace_bytes."""
     if skip.threshold is None:
         return None, False, 0.0
+    from .triton_backend import vocab_order
+
     tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
-    lh = triton_backend.kernels()
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):
-        perm = lh.vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
+        perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
     elif skip.vocab_order == "batch" and target is not None:
-        perm = lh.vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
+        perm = vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
     return perm, True, tau
 
 

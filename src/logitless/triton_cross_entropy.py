@@ -6,6 +6,8 @@ the loss (one read and one write of the logits for forward and backward together
 that buffer by the upstream gradient, on the device and only where the upstream gradient is not exactly 1. The loss
 is reduced here, not by the caller: the in-place gradient is that of the reduced loss, so the forward needs the
 mean's scale.
+
+This module imports Triton: head.py imports it only inside the call that chose the Triton backend.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from . import _validate
 from ._autograd import first_order_only
+from .kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd, scale_rows_
 from .torch_backend.cross_entropy import unit_class_stride
 
 # torch.library ops around the launchers, so torch.compile sees each launch as one opaque op.
@@ -21,16 +24,9 @@ from .torch_backend.cross_entropy import unit_class_stride
 _OPT_ARGS = "int ignore_index, float label_smoothing, float z_loss, float? softcap"
 
 
-def _kernels():
-    from .kernels import cross_entropy as k
-
-    return k
-
-
 def _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, write_grad):
-    return _kernels().cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                        write_grad=write_grad)
+    return cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, write_grad=write_grad)
 
 
 def _fwd_fake(logits, *args):
@@ -64,9 +60,8 @@ _fwd_inplace_op.register_fake(_fwd_fake)
 
 def _bwd_impl(grad, logits, target, class_w, w_sum, scale, stats, ignore_index, label_smoothing, z_loss, softcap):
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return _kernels().cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out,
-                                        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                                        softcap=softcap)
+    return cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
 
 
 _bwd_op = torch.library.custom_op(
@@ -82,7 +77,7 @@ def _bwd_fake(grad, logits, *args):
 
 
 def _scale_impl(buf, grad):
-    _kernels().scale_rows_(buf, grad)
+    scale_rows_(buf, grad)
 
 
 _scale_op = torch.library.custom_op(
