@@ -51,11 +51,15 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """The package's modules that `name` imports, anywhere in its file."""
+def _import_sites(name: str, path: Path) -> set[tuple[str, bool]]:
+    """(module, lazy) for each of the package's modules that `name` imports: lazy where the import statement is
+    inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)}
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -68,8 +72,13 @@ def _imports(name: str, path: Path) -> set[str]:
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         else:
             continue
-        out.update(t for t in targets if t in MODULES and t != name)
+        out.update((t, id(node) in lazy) for t in targets if t in MODULES and t != name)
     return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package's modules that `name` imports, anywhere in its file."""
+    return {t for t, _ in _import_sites(name, path)}
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
@@ -118,7 +127,7 @@ def test_the_graph_is_read():
     # A parser that missed imports would pass the tests above on an empty graph.
     assert "logitless.head" in GRAPH["logitless.linear_cross_entropy"]
     assert "logitless.loss_math" in GRAPH["logitless.kernels.linear_head.plans"]
-    assert "logitless.kernels.linear_head" in GRAPH["logitless.triton_backend"]  # an import inside a function
+    assert "logitless.triton_backend" in GRAPH["logitless.head"]  # an import inside a function
     assert "logitless.testing" in GRAPH["logitless.apps.bench.check"]
 
 
@@ -190,23 +199,12 @@ def test_no_private_name_imported_from_another_package():
     assert PRIVATE_IMPORTS - found == set(), f"no longer imported, remove: {sorted(PRIVATE_IMPORTS - found)}"
 
 
-# The public ops reach the backends and kernels through the head op only, and vocabulary parallelism through the
-# head op too. Imports that do not yet; each entry goes when its import does.
+# The public ops reach the backends and kernels through the head op only (head.py: the one-head statistics, the
+# fused plans, the one-class closed form, the two-head losses, cross-entropy on given logits), and vocabulary
+# parallelism through the head op too. Imports that do not (none); an entry would go when its import does.
 OPS = ("linear_cross_entropy", "log_probs", "cross_entropy", "distill", "nn")
 BELOW_THE_HEAD_OP = ("torch_backend", "triton_backend", "triton_two_heads", "triton_cross_entropy", "kernels")
-BYPASSES = {
-    # cross-entropy on given logits and the two-head losses have no head op of their own yet: their public
-    # modules choose between their two backends themselves
-    ("logitless.cross_entropy", "logitless.torch_backend.cross_entropy"),
-    ("logitless.cross_entropy", "logitless.triton_cross_entropy"),
-    ("logitless.distill", "logitless.torch_backend.two_heads"),
-    ("logitless.distill", "logitless.triton_two_heads"),
-    # the one-class closed form, the accumulation dtype and the fused PyTorch training path
-    ("logitless.distributed", "logitless.torch_backend"),
-    ("logitless.linear_cross_entropy", "logitless.torch_backend"),
-    ("logitless.linear_cross_entropy", "logitless.triton_backend"),
-    ("logitless.log_probs", "logitless.torch_backend"),
-}
+BYPASSES: set[tuple[str, str]] = set()
 
 
 def _bypasses() -> set[tuple[str, str]]:
@@ -224,3 +222,96 @@ def test_public_ops_go_through_the_head_op():
     found = _bypasses()
     assert found - BYPASSES == set(), "\n".join(f"{a} imports {b}" for a, b in sorted(found - BYPASSES))
     assert BYPASSES - found == set(), f"no longer imported, remove: {sorted(BYPASSES - found)}"
+
+
+def _fake_registrations(path: Path) -> list[str]:
+    """The fake implementations that `path` registers, by name: a lambda is "<lambda>", a function named `_` is
+    "_" (names that a traceback or a profile of a traced graph cannot tell apart)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef):
+            names += [node.name for d in node.decorator_list
+                      if isinstance(d, ast.Attribute) and d.attr == "register_fake"]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "register_fake" and node.args):
+            arg = node.args[0]
+            names.append("<lambda>" if isinstance(arg, ast.Lambda) else getattr(arg, "id", "?"))
+    return names
+
+
+def test_fake_registrations_are_named():
+    found = {name: _fake_registrations(path) for name, path in MODULES.items()}
+    assert sum(map(len, found.values())) >= 5, found  # the parser sees the registrations
+    unnamed = [f"{m}: {n}" for m, names in found.items() for n in names if n in ("_", "<lambda>", "?")]
+    assert not unnamed, "\n".join(unnamed)
+
+
+# The one lazy boundary to Triton: the Triton backends import Triton (with the kernels they launch), so the head op
+# imports them inside the calls that chose Triton, and nothing else does; past that boundary every call from a
+# backend to a launcher is a plain name, imported at the top of the backend's file.
+TRITON_BACKENDS = ("logitless.triton_backend", "logitless.triton_two_heads", "logitless.triton_cross_entropy")
+TRITON_KERNELS = ("logitless.kernels.linear_head", "logitless.kernels.two_heads", "logitless.kernels.cross_entropy")
+
+
+def _in(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_one_lazy_boundary_to_triton():
+    wrong = []
+    for a, path in MODULES.items():
+        for b, lazy in sorted(_import_sites(a, path)):
+            if b in TRITON_BACKENDS and not (a == "logitless.head" and lazy):
+                wrong.append(f"{a} imports the Triton backend {b}{'' if lazy else ' at the top'}: only head.py may, "
+                             "inside the call that chose Triton")
+            if _in(b, TRITON_KERNELS) and not _in(a, ("logitless.kernels",)):
+                if a not in TRITON_BACKENDS:
+                    wrong.append(f"{a} imports the kernels {b}: only a Triton backend may")
+                elif lazy:
+                    wrong.append(f"{a} imports the kernels {b} inside a function: import the launchers at the top")
+    assert not wrong, "\n".join(wrong)
+    lazy_sites = {b for b, lazy in _import_sites("logitless.head", MODULES["logitless.head"]) if lazy}
+    assert lazy_sites == set(TRITON_BACKENDS), lazy_sites  # the parser sees the boundary
+
+
+_WITHOUT_TRITON = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+sys.meta_path.insert(0, NoTriton())
+import torch
+import logitless
+from logitless import _dispatch
+assert not _dispatch.triton_importable()
+x = torch.randn(6, 8, requires_grad=True)
+w = torch.randn(11, 8, requires_grad=True)
+t = torch.randint(0, 11, (6,))
+logitless.linear_cross_entropy(x, w, t).backward()
+logitless.linear_log_probs(x, w, t, return_entropy=True)[1].sum().backward()
+logitless.linear_kl_div(x, w, x, w).backward()
+logitless.cross_entropy(torch.randn(6, 11, requires_grad=True), t, inplace_backward=True).backward()
+try:
+    logitless.linear_cross_entropy(x, w, t, backend="triton")
+except RuntimeError as e:
+    assert "Triton is not installed" in str(e), e
+else:
+    raise AssertionError("backend='triton' ran without Triton")
+loaded = sorted(m for m in sys.modules if m.startswith(("logitless.triton", "logitless.kernels.")))
+assert loaded == ["logitless.kernels._common", "logitless.kernels._tuning"], loaded
+"""
+
+
+def test_without_triton_the_package_imports_and_runs():
+    # A CPU-only install where Triton is absent (or does not import): every op runs on the PyTorch backend and no
+    # Triton backend or kernel module is loaded.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LOGITLESS_BACKEND", None)
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -1,8 +1,8 @@
-"""cross_entropy on logits that already exist: the public function (validation, the backend choice, the call).
+"""cross_entropy on logits that already exist: the public function (validation, then the call).
 
-The two backends are torch_backend/cross_entropy.py (the chunked PyTorch twin) and triton_cross_entropy.py (the
-kernels as torch.library ops); each returns the reduced loss, since the Triton form's in-place gradient is that of
-the reduced loss.
+head.logits_cross_entropy chooses the backend: torch_backend/cross_entropy.py (the chunked PyTorch twin) or
+triton_cross_entropy.py (the kernels as torch.library ops); each returns the reduced loss, since the Triton form's
+in-place gradient is that of the reduced loss.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from . import _validate, triton_cross_entropy
-from ._dispatch import resolve_backend
-from .torch_backend import cross_entropy as torch_cross_entropy
+from . import _validate, head
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -88,20 +86,6 @@ def cross_entropy(
     _validate.check_flag("return_lse", return_lse)
     logits2d, t, lead_shape = _validate.logits_head(logits, target, ignore_index)
     weight = _validate.check_class_weight(weight, logits2d.shape[1], logits.device)
-    chosen = resolve_backend(backend, logits.device, "cross_entropy")
-    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
-        chosen = "torch"  # float64 has no kernels
-    if logits2d.shape[1] == 1:
-        # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
-        # ulp there (1e-8 with softcap, measured on an H100) where PyTorch gives 0; the PyTorch path transforms the
-        # logits once and gets the exact zeros. N values: nothing to fuse.
-        chosen = "torch"
-    # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
-    inplace_backward = inplace_backward and torch.is_grad_enabled()
-    if inplace_backward:
-        # a copy where strided: the gradient overwrites it, not the caller's
-        logits2d = triton_cross_entropy.unit_class_stride(logits2d)
-    run = torch_cross_entropy.cross_entropy if chosen == "torch" else triton_cross_entropy.cross_entropy
-    loss, lse = run(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-                    inplace_backward)
+    loss, lse = head.logits_cross_entropy(logits2d, t, lead_shape, weight, reduction, ignore_index, label_smoothing,
+                                          z_loss, softcap, inplace_backward, backend)
     return CrossEntropyOutput(loss, lse) if return_lse else loss

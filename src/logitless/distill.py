@@ -9,10 +9,11 @@ directions and the soft cross-entropy); the generalized JSD needs the normalised
 logarithm and makes a second pass. The backward recomputes both heads' tiles and forms the student's ``dL/dz`` per
 tile; only the student gets gradients (the teacher is treated as a constant, whatever its ``requires_grad``).
 
-Layers, as for the other ops: the public functions here (validation, the backend's per-row loss, the reduction)
--> a backend: torch_backend.two_heads (the chunked PyTorch twin) or triton_two_heads (the torch.library ops
-``logitless::two_heads_loss`` and ``logitless::two_heads_grad`` around kernels/two_heads) -> the row statistics
-and each loss on them, loss_math.RowStats and loss_math.row_loss, shared by both backends.
+Layers, as for the other ops: the public functions here (validation, the per-row loss, the reduction) -> the head
+op's door, head.two_heads_loss, which chooses a backend: torch_backend.two_heads (the chunked PyTorch twin) or
+triton_two_heads (the torch.library ops ``logitless::two_heads_loss`` and ``logitless::two_heads_grad`` around
+kernels/two_heads) -> the row statistics and each loss on them, loss_math.RowStats and loss_math.row_loss, shared
+by both backends.
 logitless.testing.naive_two_heads builds full logits with PyTorch's own ops: ground truth for the tests (in
 float64) and the eager peer of the benchmark.
 """
@@ -23,9 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, triton_two_heads
-from .head import choose_backend
-from .torch_backend import two_heads as torch_two_heads
+from . import _validate, head
 
 DIRECTIONS = ("forward", "reverse")
 
@@ -111,11 +110,8 @@ def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: st
 def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None):
     softcap = None if softcap is None else float(softcap)
     inv_temp = 1.0 / float(temperature)
-    if choose_backend(backend, a.xs, op) == "triton":
-        per_row = triton_two_heads.loss(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, beta, softcap, inv_temp,
-                                        workspace_bytes)
-    else:
-        per_row = torch_two_heads.loss(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, beta, softcap, inv_temp)
+    per_row = head.two_heads_loss(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, beta, softcap, inv_temp,
+                                  workspace_bytes, backend=head.choose_backend(backend, a.xs, op))
     return reduce_rows(per_row, a.valid, reduction, a.lead_shape)
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _validate, head, loss_math, torch_backend
+from . import _validate, head, loss_math
 from .loss_math import Stats
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "linear_logsumexp"]
@@ -113,7 +113,7 @@ def _global_stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, wan
     per row; in the backward, one all-reduce of the input's gradient (when it needs one)."""
     if backend == "torch":
         # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one rounding.
-        x = x.to(torch_backend.acc_dtype(x.dtype))
+        x = x.to(loss_math.acc_dtype(x.dtype))
     if x.requires_grad and torch.is_grad_enabled() and group.size > 1:
         x = _SumGradOverGroup.apply(x, group)
     st = head.stats(x, w, b, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
@@ -396,7 +396,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         input, linear_weight, linear_bias, target, ignore_index, process_group, vocab_start, vocab_size, weight)
     _validate.check_skip_options(skip_threshold, vocab_order, w.shape[0], x.device)  # a tensor: the shard's counts
     chosen = head.choose_backend(backend, x, "linear_cross_entropy")
-    cw = None if cw is None else cw.to(torch_backend.acc_dtype(x.dtype))
+    cw = None if cw is None else cw.to(loss_math.acc_dtype(x.dtype))
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     st, w_t, w_sum = _global_stats(x, w, b, t_local, cw, softcap, 1.0, label_smoothing > 0.0, False, group=group,

@@ -1,4 +1,4 @@
-"""The head op: one contract, the backends behind it.
+"""The head op: one contract, the backends behind it, and the only door from a public op to a backend.
 
 ``stats(...)`` returns the per-row statistics of a linear head (loss_math.Stats: row max, log-sum-exp, target
 logit, smoothing sum, entropy), differentiable with respect to the input, the weight and the bias; its backward is
@@ -13,6 +13,15 @@ path shares the loss code and every option of the backward: ``workspace_bytes`` 
 take; the PyTorch backend sizes its blocks by the default policy and ignores it), ``skip_threshold`` /
 ``vocab_order`` (cold tiles the Triton backward may skip; the PyTorch backend computes every block), and the stash
 (the Triton forward keeps logits for the backward where the weight gradient's buffer has room).
+
+Every other backend choice of a public op is made here too, behind one call each: the fused plans of a reduced
+cross-entropy whose gradient is wanted (fused_plan, fused_cross_entropy), the one-class closed form
+(one_class_logits), the two-head losses (two_heads_loss) and cross-entropy on given logits (logits_cross_entropy).
+
+The Triton backends (triton_backend.py, triton_two_heads.py, triton_cross_entropy.py) import Triton with the kernels
+they launch, by plain names. This module imports them inside the calls that chose Triton, and no other module of
+the package does: that is the one lazy boundary that keeps `import logitless` working where Triton is absent or
+cannot run (a CPU-only install).
 """
 
 from __future__ import annotations
@@ -21,14 +30,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, skip_gate, torch_backend, triton_backend
+from . import _validate, skip_gate, torch_backend
 from ._dispatch import resolve_backend
 from ._validate import is_compiling
 from .kernels import current_tuning
 from .loss_math import Stats
+from .torch_backend import cross_entropy as torch_cross_entropy
+from .torch_backend import two_heads as torch_two_heads
 
-__all__ = ["HALF_SKIP_THRESHOLD", "Skip", "Stats", "choose_backend", "class_counts", "resolve_skip",
-           "running_class_counts", "stats"]
+__all__ = ["HALF_SKIP_THRESHOLD", "FusedPlan", "Skip", "Stats", "choose_backend", "class_counts",
+           "fused_cross_entropy", "fused_plan", "logits_cross_entropy", "one_class_logits", "resolve_skip",
+           "running_class_counts", "stats", "two_heads_loss"]
 
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
@@ -83,8 +95,11 @@ def resolve_skip(skip: Skip, x, weight, bias, backend: str, dense_row_chunks: bo
         return Skip(None, skip.vocab_order, skip.bounded, True, False)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not (backend == "triton" and grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
-            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)
-            and triton_backend.kernels().skip_supported(x)):
+            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)):
+        return Skip(None, skip.vocab_order, skip.bounded, True, False)
+    from .triton_backend import skip_supported
+
+    if not skip_supported(x):
         return Skip(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold != "auto":
         return done
@@ -107,6 +122,8 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     order. want_lse: the lse statistic, for a term whose gradient must stay apart from logs' (the z-loss;
     loss_math's module docstring)."""
     if backend == "triton" and weight.shape[0] > 0:
+        from . import triton_backend
+
         skip = resolve_skip(skip, x, weight, bias, backend)
         perm, want_tiles, tau = _skip_plan(x, weight, target, skip, ignore_index, workspace_bytes)
         return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
@@ -117,18 +134,103 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
                                want_lse)
 
 
+def one_class_logits(x, weight, bias, softcap, inv_temp) -> torch.Tensor:
+    """The (N,) float64 logits of a head with one class (V = 1), differentiable, whatever the backend: its softmax
+    is exactly 1, and every loss of it is a closed form of these logits that gives PyTorch's exact zeros where the
+    general paths leave a rounding (torch_backend.one_class_logits says why float64)."""
+    return torch_backend.one_class_logits(x, weight, bias, softcap, inv_temp)
+
+
+class FusedPlan(NamedTuple):
+    """A plan of linear_cross_entropy that computes the gradients in the forward: `backend`'s, with `plan` its
+    rows per chunk ("torch") or its row-chunk plan ("triton")."""
+
+    backend: str
+    plan: object
+
+
+def fused_plan(x, weight, bias, softcap, reduction: str, backend: str, workspace_bytes) -> FusedPlan | None:
+    """The dense plan of a reduced cross-entropy whose gradient is wanted now, where one computes the gradients in
+    the forward, or None where the head op's statistics run: on the PyTorch backend, chunks of rows over the full
+    vocabulary (torch_backend.fused_rows: three products instead of four); on Triton, where the policy finds it
+    faster within the budget, chunks of full rows of logits (triton_backend.row_chunk_plan,
+    docs/design/row_chunks.md). On Triton, skipping cold tiles is judged against this plan (resolve_skip's
+    dense_row_chunks) and, where it pays, replaces it."""
+    if backend == "torch":
+        rows = torch_backend.fused_rows(x, weight, bias, softcap, reduction)
+        return FusedPlan(backend, rows) if rows else None
+    from .triton_backend import row_chunk_plan
+
+    plan = row_chunk_plan(x, weight, bias, reduction, workspace_bytes)
+    return None if plan is None else FusedPlan(backend, plan)
+
+
+def fused_cross_entropy(fused: FusedPlan, x, weight, bias, target, class_weight, reduction, ignore_index,
+                        label_smoothing, z_loss, softcap) -> torch.Tensor:
+    """The reduced cross-entropy through a plan of fused_plan, on validated inputs (class_weight in the
+    accumulation dtype): the same loss_math terms as the statistics' path."""
+    if fused.backend == "torch":
+        return torch_backend.fused_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
+                                                        ignore_index, label_smoothing, z_loss, softcap, fused.plan)
+    from .triton_backend import row_chunk_linear_cross_entropy
+
+    return row_chunk_linear_cross_entropy(x, weight, bias, target, class_weight, reduction, ignore_index,
+                                          label_smoothing, z_loss, softcap, fused.plan)
+
+
+def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp: float, workspace_bytes, *,
+                   backend: str) -> torch.Tensor:
+    """The per-row loss `kind` (loss_math.KINDS) of two validated heads over one vocabulary, (N,) float32 (float64
+    for float64 heads), differentiable with respect to the student's xs, ws and bs; through `backend`
+    (choose_backend): the kernels (triton_two_heads) or the chunked PyTorch twin (torch_backend.two_heads).
+    workspace_bytes is for the Triton backward."""
+    if backend == "triton":
+        from . import triton_two_heads
+
+        return triton_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes)
+    return torch_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
+
+
+def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss,
+                         softcap, inplace_backward: bool, backend: str):
+    """cross_entropy on validated (N, V) logits: (the reduced loss, lse of the lead shape), through the kernels
+    (triton_cross_entropy) or the chunked PyTorch twin (torch_backend.cross_entropy), chosen from `backend` as the
+    dispatcher says; float64 under "auto", and a one-class head, on the PyTorch path. Each backend reduces the loss
+    itself: the Triton form's in-place gradient is that of the reduced loss."""
+    chosen = resolve_backend(backend, logits2d.device, "cross_entropy")
+    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
+        chosen = "torch"  # float64 has no kernels
+    if logits2d.shape[1] == 1:
+        # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
+        # ulp there (1e-8 with softcap, measured on an H100) where PyTorch gives 0; the PyTorch path transforms the
+        # logits once and gets the exact zeros. N values: nothing to fuse.
+        chosen = "torch"
+    # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
+    inplace_backward = inplace_backward and torch.is_grad_enabled()
+    if inplace_backward:
+        # a copy where strided: the gradient overwrites it, not the caller's
+        logits2d = torch_cross_entropy.unit_class_stride(logits2d)
+    if chosen == "torch":
+        run = torch_cross_entropy.cross_entropy
+    else:
+        from .triton_cross_entropy import cross_entropy as run
+    return run(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+               inplace_backward)
+
+
 def _skip_plan(x, w, target, skip: Skip, ignore_index, workspace_bytes):
     """(perm, want_tiles, threshold) for the Triton backend from a resolved skip: tiles are recorded, and the
     vocabulary ordered, only when the backward may skip. The order depends on the backward's workspace_bytes."""
     if skip.threshold is None:
         return None, False, 0.0
+    from .triton_backend import vocab_order
+
     tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
-    lh = triton_backend.kernels()
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):
-        perm = lh.vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
+        perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
     elif skip.vocab_order == "batch" and target is not None:
-        perm = lh.vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
+        perm = vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
     return perm, True, tau
 
 

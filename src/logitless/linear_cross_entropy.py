@@ -4,18 +4,17 @@ The call, top to bottom: validation (_validate) -> the backend (head.choose_back
 PyTorch path) -> the head op's per-row statistics (head.stats: row max, log-sum-exp, target logit, smoothing sum)
 -> the cross-entropy written on them (loss_math, the same code on every path) -> the reduction. The backward is
 autograd's through that expression, down to the head op's one generic backward (loss_math describes the form of
-the gradient). On the PyTorch path a reduced loss with a gradient wanted takes a fused path instead
-(torch_backend.fused_linear_cross_entropy: the gradients in the forward, the same loss_math terms); on the Triton
-path, where the policy finds it faster, the row-chunk plan (triton_backend.row_chunk_linear_cross_entropy: the
-gradients in the forward over chunks of full rows of logits). With
-``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
+the gradient). A reduced loss with a gradient wanted may take a fused plan instead, chosen behind the head op
+(head.fused_plan: on the PyTorch backend always where the budget holds, on Triton where the policy finds it faster;
+the gradients in the forward, the same loss_math terms), and a one-class head a closed form (head.one_class_logits).
+With ``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _validate, distributed, head, loss_math, torch_backend, triton_backend
+from . import _validate, distributed, head, loss_math
 from ._validate import check_workspace
 from .head import HALF_SKIP_THRESHOLD, class_counts
 
@@ -130,40 +129,30 @@ def linear_cross_entropy(
     _validate.check_workspace(workspace_bytes)
     chosen = head.choose_backend(backend, args.x, "linear_cross_entropy")
     V = args.weight.shape[0]
-    class_w = None if weight is None else weight.to(torch_backend.acc_dtype(args.x.dtype))
+    class_w = None if weight is None else weight.to(loss_math.acc_dtype(args.x.dtype))
     if V == 1:
         # One class: lse = z, so the cross-entropy and the smoothing are exactly 0 and the z-loss is z^2; a closed
-        # form gives PyTorch's exact zeros (torch_backend.one_class_logits, float64), on either backend. Those zeros
+        # form gives PyTorch's exact zeros (head.one_class_logits, float64), on either backend. Those zeros
         # are weighted by w_t, as PyTorch's are, so their gradient is w_t times the upstream one: 0, or NaN where a
         # "mean" over class weights that sum to 0 makes the upstream gradient infinite (PyTorch's NaN, not the
         # z-loss term's inf alone). z - z is that zero with that gradient.
-        z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0)
+        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0)
         valid, w_t, _ = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
         per_token = w_t * (z - z)
         if z_loss > 0.0:
             per_token = per_token + float(z_loss) * z * z
         loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, args.lead_shape)
-        return loss.to(torch_backend.acc_dtype(args.x.dtype))
-    if chosen == "torch":
-        skip = head.NO_SKIP
-        # Training with a reduced loss: the gradients in the forward, three products instead of four.
-        rows = torch_backend.fused_rows(args.x, args.weight, args.bias, softcap, reduction)
-        if rows:
-            return torch_backend.fused_linear_cross_entropy(args.x, args.weight, args.bias, args.target, class_w,
-                                                            reduction, ignore_index, label_smoothing, z_loss,
-                                                            softcap, rows)
-    else:
-        # The dense plan of this call: for a reduced loss whose gradient is wanted, where the policy finds it faster
-        # within the budget, the gradients in the forward over chunks of full rows of logits (three products;
-        # docs/design/row_chunks.md). Whether skipping cold tiles pays is judged against it. Label smoothing adds
-        # -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
-        plan = triton_backend.row_chunk_plan(args.x, args.weight, args.bias, reduction, workspace_bytes)
-        skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
-                                 args.weight, args.bias, chosen, dense_row_chunks=plan is not None)
-        if plan is not None and skip.threshold is None:
-            return triton_backend.row_chunk_linear_cross_entropy(args.x, args.weight, args.bias, args.target,
-                                                                 class_w, reduction, ignore_index, label_smoothing,
-                                                                 z_loss, softcap, plan)
+        return loss.to(loss_math.acc_dtype(args.x.dtype))
+    # The dense plan of this call: for a reduced loss whose gradient is wanted, the gradients in the forward where
+    # the backend's plan finds room (head.fused_plan). Whether skipping cold tiles pays (Triton only) is judged
+    # against it. Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no
+    # skipping.
+    fused = head.fused_plan(args.x, args.weight, args.bias, softcap, reduction, chosen, workspace_bytes)
+    skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
+                             args.weight, args.bias, chosen, dense_row_chunks=fused is not None)
+    if fused is not None and skip.threshold is None:
+        return head.fused_cross_entropy(fused, args.x, args.weight, args.bias, args.target, class_w, reduction,
+                                        ignore_index, label_smoothing, z_loss, softcap)
     st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,
                     backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
                     want_lse=loss_math.z_loss_apart(z_loss, args.x, args.weight))

@@ -10,7 +10,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import _validate, distributed, head, loss_math, torch_backend
+from . import _validate, distributed, head, loss_math
 
 
 @overload
@@ -79,9 +79,9 @@ def linear_log_probs(
     chosen = head.choose_backend(backend, args.x, "linear_log_probs")
     valid = args.target != ignore_index
     if linear_weight.shape[0] == 1:
-        # One class: log 1 = 0 and no entropy, exactly (torch_backend.one_class_logits), on either backend.
-        z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0 / float(temperature))
-        logp = torch.where(valid, z * 0.0, 0.0).reshape(args.lead_shape).to(torch_backend.acc_dtype(args.x.dtype))
+        # One class: log 1 = 0 and no entropy, exactly (head.one_class_logits), on either backend.
+        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0 / float(temperature))
+        logp = torch.where(valid, z * 0.0, 0.0).reshape(args.lead_shape).to(loss_math.acc_dtype(args.x.dtype))
         return (logp, logp.clone()) if return_entropy else logp
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
     skip = head.Skip(skip_threshold, "none")
@@ -119,8 +119,8 @@ def linear_logsumexp(
     chosen = head.choose_backend(backend, args.x, "linear_logsumexp")
     inv_temp = 1.0 / float(temperature)
     if linear_weight.shape[0] == 1:  # one class: lse = z, exactly
-        z = torch_backend.one_class_logits(args.x, args.weight, args.bias, softcap, inv_temp)
-        return z.reshape(args.lead_shape).to(torch_backend.acc_dtype(args.x.dtype))
+        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, inv_temp)
+        return z.reshape(args.lead_shape).to(loss_math.acc_dtype(args.x.dtype))
     st = head.stats(args.x, args.weight, args.bias, None, None, softcap, inv_temp, False, False, backend=chosen,
                     workspace_bytes=workspace_bytes)
     return (st.m + st.logs).reshape(args.lead_shape)

@@ -46,6 +46,12 @@ POLICY_MIN_BYTES = 16 << 20
 POLICY_LOGITS_DIVISOR = 5
 
 
+def acc_dtype(dtype) -> torch.dtype:
+    """Accumulation dtype of every path: float32, or float64 for float64 inputs (which only the PyTorch backend
+    accepts)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_workspace_bytes(n: int, V: int, acc_bytes: int = 0) -> int:
     """The default memory policy: bytes the work of a head of n tokens and V classes may take beyond O(n), the
     larger of a fifth of n x V bf16 logits (2 n V / 5 bytes) and POLICY_MIN_BYTES (16 MiB) plus `acc_bytes`, the

@@ -4,6 +4,9 @@
 the backward's options need) and is differentiable: its autograd formula turns the statistics' upstream gradients
 into the per-row coefficients (A, B, C, E) (loss_math.head_coefficients) of ``logitless::linear_head_grad``, the
 generic backward. As torch.library ops, torch.compile sees each as one opaque op.
+
+This module imports Triton (through the kernels it launches): head.py imports it only inside the calls that chose
+the Triton backend, the one lazy boundary that keeps `import logitless` free of Triton.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import torch
 
 from . import skip_gate
 from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
-from .kernels import current_tuning
+from ._validate import is_compiling
+from .kernels import current_tuning, new_buffer
+from .kernels.cross_entropy import scale_rows_
+from .kernels.linear_head import backward, forward_stats, skip_supported, stash_layout, tile_grid, vocab_order
+from .kernels.linear_head.row_chunk_plan import row_chunk_plan as plan_row_chunks
+from .kernels.linear_head.row_chunks import forward_with_grads
 from .loss_math import Stats, head_coefficients
 
-
-def kernels():
-    """The kernels/linear_head package, imported on first use so that `import logitless` does not import Triton."""
-    from .kernels import linear_head
-
-    return linear_head
+# What the head op asks of the kernels' planning before it calls this backend (head.resolve_skip, head._skip_plan).
+__all__ = ["row_chunk_linear_cross_entropy", "row_chunk_plan", "skip_supported", "stats", "vocab_order"]
 
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
@@ -39,7 +43,7 @@ def _has_rest(target, perm, want_entropy) -> bool:
 
 
 def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
-    return kernels().stash_layout(x, weight, stash_dx, workspace_bytes) if want_stash else None
+    return stash_layout(x, weight, stash_dx, workspace_bytes) if want_stash else None
 
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
@@ -56,18 +60,17 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     skip_gate whether to skip) are for the backward. Last, with
     want_lse, lse = m + logs as a statistic with a gradient of its own (loss_math's module docstring; else
     empty)."""
-    lh = kernels()
     # The kernels read the bias with unit stride; a strided one (a column of a table) is copied here, inside the
     # op, so autograd still sees the caller's tensor. (Targets and class weights arrive contiguous.)
     bias = None if bias is None else bias.contiguous()
-    tiles = lh._new(lh.tile_grid(x, weight), device=x.device, dtype=torch.float16) if want_tiles else None
+    tiles = new_buffer(tile_grid(x, weight), device=x.device, dtype=torch.float16) if want_tiles else None
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
-    stash = lh._new(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
+    stash = new_buffer(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
     extra = {} if stash is None else {"stash": (stash, layout)}
     mu_rest = None
     if _has_rest(target, perm, want_entropy):
-        mu_rest = extra["mu_rest"] = lh._new((2, x.shape[0]), device=x.device, dtype=torch.float32)
-    stats = lh.forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
+        mu_rest = extra["mu_rest"] = new_buffer((2, x.shape[0]), device=x.device, dtype=torch.float32)
+    stats = forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
     if tiles is None or x.shape[0] == 0:
         tiles = x.new_empty(0, dtype=torch.float16)
@@ -77,9 +80,9 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
 
 
 @_stats_op.register_fake
-def _(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-      skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
-    tiles = (x.new_empty(kernels().tile_grid(x, weight), dtype=torch.float16)
+def _stats_fake(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm,
+                want_tiles, skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
+    tiles = (x.new_empty(tile_grid(x, weight), dtype=torch.float16)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
@@ -105,10 +108,9 @@ def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softca
         tile_lse = None  # the dense plans (the forward recorded the tiles for either answer)
     if skip_threshold < 0:  # "auto": the plan's skipped share tells skip_gate whether skipping pays for this head
         extra["on_plan"] = lambda plan: skip_gate.observe(weight, plan.hot)
-    return kernels().backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap,
-                               inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm,
-                               tile_lse=tile_lse, skip_threshold=skip_threshold, workspace_bytes=workspace_bytes,
-                               At=At, **extra)
+    return backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap, inv_temp=inv_temp,
+                    need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm, tile_lse=tile_lse,
+                    skip_threshold=skip_threshold, workspace_bytes=workspace_bytes, At=At, **extra)
 
 
 @torch.library.custom_op("logitless::linear_head_grad", mutates_args=(), schema=_GRAD_SCHEMA)
@@ -125,8 +127,8 @@ def _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap
 
 
 @_grad_op.register_fake
-def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
+def _grad_fake(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
+               need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -145,8 +147,8 @@ def _grad_into_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, so
 
 
 @_grad_into_op.register_fake
-def _(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw, need_db,
-      perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
+def _grad_into_fake(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp, need_dx, need_dw,
+                    need_db, perm, tile_lse, skip_threshold, workspace_bytes, At, gate_skip, stash):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, db
@@ -232,16 +234,12 @@ def row_chunk_plan(x, w, b, reduction, workspace_bytes):
     column plan runs: a loss that is not reduced, no gradient wanted now, while torch.compile traces (it keeps the
     op's graph: a forward that computes gradients would hide them from it), an empty or strided operand. (A call
     that skips cold tiles runs the column plan: the caller asks only for a dense call.)"""
-    from ._validate import is_compiling
-
     needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
     if (reduction == "none" or not torch.is_grad_enabled() or not any(needs) or is_compiling()
             or x.shape[0] == 0 or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)
             or x.stride(1) != 1 or w.stride(1) != 1):
         return None
-    from .kernels.linear_head import plans
-
-    return plans.row_chunk_plan(x.shape[0], w.shape[0], x.shape[1], x.dtype, needs[1], workspace_bytes)
+    return plan_row_chunks(x.shape[0], w.shape[0], x.shape[1], x.dtype, needs[1], workspace_bytes)
 
 
 class _RowChunkCrossEntropy(torch.autograd.Function):
@@ -253,11 +251,9 @@ class _RowChunkCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap, plan):
-        from .kernels.linear_head import row_chunks
-
         needs = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
-        loss, dx, dw, db = row_chunks.forward_with_grads(x, w, b, target, class_w, reduction, ignore_index, eps,
-                                                         z_loss, softcap, plan, needs)
+        loss, dx, dw, db = forward_with_grads(x, w, b, target, class_w, reduction, ignore_index, eps, z_loss, softcap,
+                                              plan, needs)
         ctx.save_for_backward(x, w, b)  # for first_order_only's anchors only
         ctx.grads = (dx, dw, db)
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
@@ -266,8 +262,6 @@ class _RowChunkCrossEntropy(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g):
-        from .kernels.cross_entropy import scale_rows_
-
         # dx and dW through a kernel that leaves them untouched where the upstream gradient is exactly 1
         scale_ = lambda t, s: scale_rows_(t, s) if t.dim() == 2 else t.mul_(s)
         return (*scale_forward_grads(ctx, g.float(), scale_), None, None, None, None, None, None, None, None)

@@ -6,6 +6,8 @@ the loss (one read and one write of the logits for forward and backward together
 that buffer by the upstream gradient, on the device and only where the upstream gradient is not exactly 1. The loss
 is reduced here, not by the caller: the in-place gradient is that of the reduced loss, so the forward needs the
 mean's scale.
+
+This module imports Triton: head.py imports it only inside the call that chose the Triton backend.
 """
 
 from __future__ import annotations
@@ -14,22 +16,17 @@ import torch
 
 from . import _validate
 from ._autograd import first_order_only
+from .kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd, scale_rows_
+from .torch_backend.cross_entropy import unit_class_stride
 
 # torch.library ops around the launchers, so torch.compile sees each launch as one opaque op.
 
 _OPT_ARGS = "int ignore_index, float label_smoothing, float z_loss, float? softcap"
 
 
-def _kernels():
-    from .kernels import cross_entropy as k
-
-    return k
-
-
 def _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, write_grad):
-    return _kernels().cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                        write_grad=write_grad)
+    return cross_entropy_fwd(logits, target, class_w, w_sum, scale, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, write_grad=write_grad)
 
 
 def _fwd_fake(logits, *args):
@@ -38,28 +35,33 @@ def _fwd_fake(logits, *args):
     return logits.new_empty(N, **f32), logits.new_empty(N, **f32), logits.new_empty(N, 2, **f32)
 
 
+def _fwd(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap):
+    return _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False)
+
+
+def _fwd_inplace(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap):
+    return _fwd_impl(logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True)
+
+
 _fwd_op = torch.library.custom_op(
     "logitless::cross_entropy_fwd", mutates_args=(),
     schema=f"(Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
            "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, False))
+)(_fwd)
 _fwd_op.register_fake(_fwd_fake)
 
 _fwd_inplace_op = torch.library.custom_op(
     "logitless::cross_entropy_fwd_inplace", mutates_args=("logits",),
     schema=f"(Tensor(a!) logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, {_OPT_ARGS}) "
            "-> (Tensor, Tensor, Tensor)",
-)(lambda logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap: _fwd_impl(
-    logits, target, class_w, w_sum, scale, ignore_index, label_smoothing, z_loss, softcap, True))
+)(_fwd_inplace)
 _fwd_inplace_op.register_fake(_fwd_fake)
 
 
 def _bwd_impl(grad, logits, target, class_w, w_sum, scale, stats, ignore_index, label_smoothing, z_loss, softcap):
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return _kernels().cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out,
-                                        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                                        softcap=softcap)
+    return cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
 
 
 _bwd_op = torch.library.custom_op(
@@ -67,17 +69,25 @@ _bwd_op = torch.library.custom_op(
     schema=f"(Tensor grad, Tensor logits, Tensor target, Tensor? class_w, Tensor? w_sum, Tensor? scale, "
            f"Tensor stats, {_OPT_ARGS}) -> Tensor",
 )(_bwd_impl)
-_bwd_op.register_fake(lambda grad, logits, *args: torch.empty_like(logits, memory_format=torch.contiguous_format))
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad, logits, *args):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _scale_impl(buf, grad):
-    _kernels().scale_rows_(buf, grad)
+    scale_rows_(buf, grad)
 
 
 _scale_op = torch.library.custom_op(
     "logitless::cross_entropy_scale_", mutates_args=("buf",), schema="(Tensor(a!) buf, Tensor grad) -> ()",
 )(_scale_impl)
-_scale_op.register_fake(lambda buf, grad: None)
+
+
+@_scale_op.register_fake
+def _scale_fake(buf, grad):
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,15 +164,4 @@ def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index,
     if reduction == "none":
         loss = loss.reshape(lead_shape)
     return loss, lse.reshape(lead_shape)
-
-
-def unit_class_stride(logits2d: torch.Tensor) -> torch.Tensor:
-    """(N, V) logits with unit stride along the classes: a copy where they are strided, else the same memory. The
-    stride of a class dimension of size 1 (or of an empty tensor) means nothing, and contiguous() keeps whatever it
-    is (a transposed (1, N) tensor has stride N there): such a tensor gets a view with stride 1 instead."""
-    if logits2d.stride(1) == 1:
-        return logits2d
-    if logits2d.shape[1] == 1 or logits2d.numel() == 0:
-        return logits2d.as_strided(logits2d.shape, (logits2d.stride(0), 1))
-    return logits2d.contiguous()
 

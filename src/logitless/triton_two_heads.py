@@ -4,6 +4,8 @@
 the statistics its backward needs, and is differentiable: its autograd formula calls ``logitless::two_heads_grad``,
 the student's gradients. As torch.library ops, torch.compile sees each as one opaque op. The teacher gets no
 gradient.
+
+This module imports Triton: head.py imports it only inside the call that chose the Triton backend.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from ._autograd import no_double_backward, no_setup
+from .kernels import narrow
+from .kernels.two_heads import backward as two_heads_backward
+from .kernels.two_heads import forward_stats as two_heads_stats
 from .loss_math import RowStats, row_loss
 from .torch_backend import two_heads as torch_two_heads
 
@@ -27,12 +32,9 @@ _GRAD_SCHEMA = ("(Tensor xs, Tensor ws, Tensor? bs, Tensor xt, Tensor wt, Tensor
 def _loss_op(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
     """(per-row loss, m_s, logs_s, m_t, logs_t, R), float32, (N,) each but R (2, N): the row terms of the student's
     gradient (row_loss; zeros where the kind has none). workspace_bytes is for the backward."""
-    from .kernels import two_heads
-
     bs = None if bs is None else bs.contiguous()  # the kernels read biases with unit stride
     bt = None if bt is None else bt.contiguous()
-    st = RowStats(*two_heads.forward_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap,
-                                           inv_temp=inv_temp))
+    st = RowStats(*two_heads_stats(xs, ws, bs, xt, wt, bt, kind=kind, beta=beta, softcap=softcap, inv_temp=inv_temp))
     loss, R, t_ref, t_aux = row_loss(kind, beta, st)
     return (loss, *(t.clone() for t in (st.m_s, st.logs_s, t_ref, t_aux)), _rows2(R, loss))
 
@@ -48,7 +50,7 @@ def _rows2(R, like):
 
 
 @_loss_op.register_fake
-def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
+def _loss_fake(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
     return tuple(xs.new_empty(xs.shape[0], dtype=torch.float32) for _ in range(5)) + (
         xs.new_empty((2, xs.shape[0]), dtype=torch.float32),)
 
@@ -57,8 +59,6 @@ def _(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes):
 def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
              need_dw, need_db, workspace_bytes):
     """(dx_s, dW_s, db_s) for the upstream per-row gradient g; a gradient not asked for is empty."""
-    from .kernels import narrow, two_heads
-
     if narrow(xs):
         # The narrow-D rule (kernels.narrow) through the PyTorch backend's backward, which keeps dz in
         # float32, chunked. Its statistics are its own pass: the kernels' are of other roundings of the same logits,
@@ -69,15 +69,15 @@ def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta,
         return tuple(t if t is not None else xs.new_empty(0) for t in out)
     bs = None if bs is None else bs.contiguous()
     bt = None if bt is None else bt.contiguous()
-    out = two_heads.backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g.float().contiguous(),
-                             kind=kind, beta=beta, softcap=softcap, inv_temp=inv_temp, need_dx=need_dx,
-                             need_dw=need_dw, need_db=need_db, workspace_bytes=workspace_bytes)
+    out = two_heads_backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g.float().contiguous(), kind=kind,
+                             beta=beta, softcap=softcap, inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw,
+                             need_db=need_db, workspace_bytes=workspace_bytes)
     return tuple(t if t is not None else xs.new_empty(0) for t in out)
 
 
 @_grad_op.register_fake
-def _(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx, need_dw,
-      need_db, workspace_bytes):
+def _grad_fake(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta, softcap, inv_temp, need_dx,
+               need_dw, need_db, workspace_bytes):
     dx = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_dx else xs.new_empty(0)
     dw = torch.empty_like(ws, memory_format=torch.contiguous_format) if need_dw else xs.new_empty(0)
     db = torch.empty_like(bs) if need_db and bs is not None else xs.new_empty(0)

@@ -18,9 +18,8 @@ Modules, by job:
 The names other layers call are exported here.
 """
 
-from .blocks import acc_dtype
 from .fused import fused_linear_cross_entropy, fused_rows
 from .linear_head import stats
 from .one_class import one_class_logits
 
-__all__ = ["acc_dtype", "fused_linear_cross_entropy", "fused_rows", "one_class_logits", "stats"]
+__all__ = ["fused_linear_cross_entropy", "fused_rows", "one_class_logits", "stats"]

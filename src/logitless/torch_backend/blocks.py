@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._autograd import first_order_only
-from ..loss_math import default_workspace_bytes
+from ..loss_math import acc_dtype, default_workspace_bytes
 
 # This path's (token chunk x vocab chunk) float32 block takes half of the budget, or a third with the options that
 # need a temporary of the block's size (the softcap's chain factor in the backward, the entropy, smoothing).
@@ -56,11 +56,6 @@ def chunks(n: int, size: int):
 
 def token_chunk(V: int) -> int:
     return max(16, CHUNK_ELEMS // min(V, VOCAB_CHUNK))
-
-
-def acc_dtype(dtype) -> torch.dtype:
-    """Accumulation dtype: float32, or float64 for float64 inputs (which only the PyTorch path accepts)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def apply_softcap(z: torch.Tensor, softcap: float | None, *, inplace: bool = False) -> torch.Tensor:

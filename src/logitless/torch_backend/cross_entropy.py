@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from .._autograd import first_order_only
-from ..loss_math import ce_backward_coef, ce_loss_from_stats, ce_row_terms, one_minus_pt, reduce_loss
+from ..loss_math import acc_dtype, ce_backward_coef, ce_loss_from_stats, ce_row_terms, one_minus_pt, reduce_loss
 from . import blocks
-from .blocks import acc_dtype, chain_transform, chunks, transform
+from .blocks import chain_transform, chunks, transform
 from .linear_head import row_stats
 
 
@@ -83,3 +83,15 @@ def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index,
                                              bool(inplace_backward))
     valid, w_t, _ = ce_row_terms(target, class_w, ignore_index, label_smoothing, logits2d.shape[1], per_token.dtype)
     return reduce_loss(per_token, valid, w_t, reduction, lead_shape), lse.reshape(lead_shape)
+
+
+def unit_class_stride(logits2d: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits with unit stride along the classes: a copy where they are strided, else the same memory. The
+    stride of a class dimension of size 1 (or of an empty tensor) means nothing, and contiguous() keeps whatever it
+    is (a transposed (1, N) tensor has stride N there): such a tensor gets a view with stride 1 instead."""
+    if logits2d.stride(1) == 1:
+        return logits2d
+    if logits2d.shape[1] == 1 or logits2d.numel() == 0:
+        return logits2d.as_strided(logits2d.shape, (logits2d.stride(0), 1))
+    return logits2d.contiguous()
+

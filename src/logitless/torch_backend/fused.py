@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .._autograd import first_order_only, scale_forward_grads
-from ..loss_math import ce_loss_from_stats, ce_row_terms, one_minus_pt, reduce_loss
-from .blocks import acc_dtype, apply_softcap, budget_beside_products, chunks
+from ..loss_math import acc_dtype, ce_loss_from_stats, ce_row_terms, one_minus_pt, reduce_loss
+from .blocks import apply_softcap, budget_beside_products, chunks
 
 # The fused training path's full-vocabulary row chunks: with fewer rows than this its products turn into reads of W
 # (three per chunk), and the generic path, which reads it twice in all, is taken instead.

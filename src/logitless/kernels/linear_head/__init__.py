@@ -54,7 +54,6 @@ both share), products (the gradient products through cuBLAS), row_chunks (the ro
 that tests and tools change are fields of kernels.Tuning, read at each launch.
 """
 
-from .._common import new_buffer as _new  # noqa: F401 - the Triton op allocates its outputs with it
 from .configs import Config, config_for, fp32_config, gpu_config, hopper_config, interpreter_config, small_smem_config
 from .launch import backward, forward_stats
 from .plans import (
