@@ -36,7 +36,7 @@ from .._dispatch import BACKENDS
 from ..linear_cross_entropy import check_workspace, linear_cross_entropy
 from ..sorted_head import SortedHead
 from ..vocab import VocabOrder
-from . import heads
+from . import heads, tied
 
 
 def _refusals(config, src: str | None):
@@ -207,7 +207,10 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     backbone = _find_backbone(model)
     if plan.backbone_return_dict:
         call["return_dict"] = True
-    out = backbone(**call)
+    head = _find_head(model)
+    # A head tied to the input embedding, on a CPU: the two gradients summed in place (tied.py).
+    with tied.tied_rows(tied.tied_embedding(model, head.weight), head.weight) as weight:
+        out = backbone(**call)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     hidden = _keep_positions(hidden, keep)
 
@@ -222,8 +225,6 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
             f"{target.shape[0]} targets; pass shift_labels with one target per kept position"
         )
 
-    head = _find_head(model)
-    weight = head.weight
     x, bias, softcap = heads.transform_of(config, plan.transform_rules).for_loss(x, head.bias)
     if sorter is not None:
         target = sorter.targets(x, target, linear_bias=bias, softcap=softcap, ignore_index=ignore_index)
