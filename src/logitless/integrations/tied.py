@@ -65,12 +65,9 @@ def tied_embedding(model: nn.Module, weight: torch.Tensor) -> nn.Embedding | Non
 
 
 @contextlib.contextmanager
-def tied_rows(emb: nn.Embedding | None, weight: torch.Tensor):
-    """Within: `emb` reads the embedding's view of `weight` with a sparse gradient; yields the head's view (the
-    weight itself where `emb` is None). The embedding is as it was on exit."""
-    if emb is None:
-        yield weight
-        return
+def tied_rows(emb: nn.Embedding, weight: torch.Tensor):
+    """Within: `emb` reads the embedding's view of `weight` with a sparse gradient; yields the head's view. The
+    embedding is as it was on exit."""
     w_head, w_emb = _TiedRows.apply(weight)
     sparse = emb.sparse
     # A plain tensor in the parameter's slot for the duration of the call, as torch.func.functional_call does.
