@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from logitless.apps.bench import finetune, finetune_report
+from logitless.apps.bench import finetune, finetune_cli, finetune_report
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -38,7 +38,7 @@ def tiny_llama(tmp_path_factory):
     return folder
 
 
-def test_finetune_job_runs_checks_and_reports(tiny_llama, tmp_path, monkeypatch):
+def test_finetune_job_runs_checks_and_reports(tiny_llama, tmp_path, monkeypatch, capsys):
     from logitless.apps.bench.cli import main
 
     # The variants' processes inherit it: at these sizes a second thread only waits on the first (on a busy
@@ -47,8 +47,16 @@ def test_finetune_job_runs_checks_and_reports(tiny_llama, tmp_path, monkeypatch)
     out = tmp_path / "out"
     rc = main(["--job", "finetune", "--device", "cpu", "--model-file", str(tiny_llama), "--batch", "2", "--seq",
                "16", "--steps", "5", "--warmup", "1", "--check-steps", "4", "--lr", "1e-3", "--out", str(out),
-               "--no-progress"])
+               "--no-progress", "--no-clobber"])
     assert rc == 0
+    # --no-clobber: a second run into the same folder is refused before it trains, the files left as they are.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["finetune.json", "finetune.md", "finetune.svg", "finetune.txt"]
+    monkeypatch.setattr(finetune_cli, "run", lambda *a, **k: 1 / 0)
+    with pytest.raises(SystemExit) as e:
+        main(["--job", "finetune", "--device", "cpu", "--model-file", str(tiny_llama), "--out", str(out), "-n"])
+    assert e.value.code == 2 and "already holds finetune.txt" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     res = json.loads((out / "finetune.json").read_text())
     ref = res["reference"]
     assert ref["status"] == "ok" and ref["dtype"] == "fp64" and len(ref["losses"]) == 4

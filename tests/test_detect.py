@@ -132,3 +132,21 @@ def test_refuses_unrelated_models(dirs, tmp_path, capsys, other, needle):
                       "--dtype", "fp32", "--backend", "torch", "--quiet"])
     err = capsys.readouterr().err
     assert rc == 1 and needle in err and err.count("\n") == 1
+
+
+def test_no_clobber_and_empty_input_are_refused_before_the_models_load(dirs, tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    models = ["--observer", str(dirs["observer"]), "--performer", str(dirs["performer"])]
+    text, empty, out = tmp_path / "a.txt", tmp_path / "empty.txt", tmp_path / "out.jsonl"
+    text.write_text("The dog.")
+    empty.write_text("")
+    out.write_text("theirs\n")
+    for argv, words in (([str(text), "-o", str(out), "--no-clobber"], f"--output {out} exists"),
+                        ([str(empty), "-o", str(tmp_path / "new.jsonl")], f"{empty} hold no text")):
+        assert detect.main([*argv, *models, "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert out.read_text() == "theirs\n" and not (tmp_path / "new.jsonl").exists()

@@ -506,3 +506,62 @@ def test_cuda_large_vocab_matches_and_saves_memory():
         assert_within_rule(pname, g_ours[pname], g_stock[pname], g_truth[pname])
     # The stock step holds (8 * 512) x 32000 logits in bf16 plus their float32 copy and gradient: over 1 GiB.
     assert mem_ours < mem_stock - 2 ** 29
+
+
+def _gemma3_tied(dtype=torch.float32):
+    # Gemma 3's own embedding class (scaled, padding_idx 0), the head tied to it; V x D dwarfs every other tensor.
+    config = transformers.Gemma3TextConfig(vocab_size=4099, hidden_size=40, intermediate_size=48, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=20,
+                                           max_position_embeddings=64, pad_token_id=0, initializer_range=0.2)
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(config).to(dtype).train()
+
+
+def _live_vd_peak(model, step):
+    """The most (V, D)-sized float32 blocks alive at once during step(), from the CPU allocator's events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    size = model.lm_head.weight.numel() * 4
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += (e.nbytes() == size) - (e.nbytes() == -size)
+        peak = max(peak, live)
+    return peak
+
+
+def test_tied_embedding_gradient_is_summed_in_place_on_the_cpu():
+    # The head's dense gradient and the input embedding's rows meet in place: one (V, D) gradient alive at a time
+    # where the stock model holds two; the gradients within the rule (the padding row's included), .grad dense.
+    ids = torch.randint(3, 4099, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[0, :3] = 0  # padding tokens: the embedding's backward leaves their row out
+    kw = dict(input_ids=ids, labels=ids)
+    truth, stock, ours = _gemma3_tied(torch.float64), _gemma3_tied(), logitless.patch(_gemma3_tied())
+    emb = ours.get_input_embeddings()
+    assert emb.weight is ours.lm_head.weight
+    grads = {}
+    for name, m in (("truth", truth), ("stock", stock), ("ours", ours)):
+        m.zero_grad(set_to_none=True)
+        grads[name] = _live_vd_peak(m, lambda m=m: m(**kw).loss.backward()), m.lm_head.weight.grad
+    assert grads["stock"][0] >= 2 and grads["ours"][0] == 1, (grads["stock"][0], grads["ours"][0])
+    assert grads["ours"][1].layout == torch.strided
+    assert_within_rule("tied weight", grads["ours"][1], grads["stock"][1], grads["truth"][1])
+    assert_within_rule("padding row", grads["ours"][1][0], grads["stock"][1][0], grads["truth"][1][0])
+    assert emb._parameters["weight"] is ours.lm_head.weight and emb.sparse is False  # as it was, after the call
+    # Kept graph: each backward sums into its own tensors. Only the embedding's gradient: made dense.
+    ours.zero_grad(set_to_none=True)
+    loss = ours(**kw).loss
+    loss.backward(retain_graph=True)
+    first = ours.lm_head.weight.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(ours.lm_head.weight.grad, 2 * first, rtol=1e-6, atol=0)
+    for m in (stock, ours):
+        m.zero_grad(set_to_none=True)
+        m(**kw, output_hidden_states=True).hidden_states[-1].square().sum().backward()
+    assert ours.lm_head.weight.grad.layout == torch.strided
+    logitless.unpatch(ours)  # the rows (and .grad) back in class order
+    torch.testing.assert_close(ours.lm_head.weight.grad, stock.lm_head.weight.grad)
+    assert emb._parameters["weight"] is ours.lm_head.weight and emb.sparse is False

@@ -12,7 +12,8 @@ The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
   - ``logits_to_keep`` (``num_logits_to_keep`` before transformers 4.50) slices the hidden states as the model does;
   - the logit transform the model's forward applies (a final softcap, a logit scale that multiplies or divides, a
     scale of the hidden states before the head) is applied too, as ``heads`` finds it per model type;
-  - tied embeddings work unchanged (the head's weight is the embedding's parameter).
+  - tied embeddings work unchanged (the head's weight is the embedding's parameter); on a CPU the embedding's
+    rows are added into the head's gradient in place (``tied``), never beside a second dense one.
 While patched, the head's rows are stored in a softmax-mass order learned from the training forwards (``vocab_order``,
 ``logitless.SortedHead``), for the skipping backward; inputs, labels, logits and state dicts stay in class order.
 The backbone, the head and the logit transform come from ``heads`` (shared with ``logitless score``), and models
@@ -36,7 +37,7 @@ from .._dispatch import BACKENDS
 from ..linear_cross_entropy import check_workspace, linear_cross_entropy
 from ..sorted_head import SortedHead
 from ..vocab import VocabOrder
-from . import heads
+from . import heads, tied
 
 
 def _refusals(config, src: str | None):
@@ -207,7 +208,14 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     backbone = _find_backbone(model)
     if plan.backbone_return_dict:
         call["return_dict"] = True
-    out = backbone(**call)
+    head = _find_head(model)
+    weight = head.weight
+    emb = tied.tied_embedding(model, weight)  # None under torch.compile, which traces the plain call below
+    if emb is None:
+        out = backbone(**call)
+    else:  # a head tied to the input embedding, on a CPU: the two gradients summed in place
+        with tied.tied_rows(emb, weight) as weight:
+            out = backbone(**call)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     hidden = _keep_positions(hidden, keep)
 
@@ -222,8 +230,6 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
             f"{target.shape[0]} targets; pass shift_labels with one target per kept position"
         )
 
-    head = _find_head(model)
-    weight = head.weight
     x, bias, softcap = heads.transform_of(config, plan.transform_rules).for_loss(x, head.bias)
     if sorter is not None:
         target = sorter.targets(x, target, linear_bias=bias, softcap=softcap, ignore_index=ignore_index)

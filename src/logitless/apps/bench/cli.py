@@ -186,11 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     cases, chosen, opts = resolve(args, parser)
     _check_out(args.out, parser)
     if args.no_clobber:
-        names = OUTPUTS + ([] if args.no_plots else sorted({f"bench_{c.job}.svg" for c in cases}))
-        there = [n for n in names if os.path.lexists(os.path.join(args.out, n))]
-        if there:
-            parser.error(f"--out {args.out} already holds {', '.join(there)}, and --no-clobber refuses to "
-                         "overwrite them: choose another --out, or leave --no-clobber out")
+        _refuse_existing(args.out, OUTPUTS + ([] if args.no_plots else sorted({f"bench_{c.job}.svg" for c in cases})),
+                         parser)
     # Inductor says, for every compiled graph, that a split reduction turns its online softmax off: noise here.
     warnings.filterwarnings("ignore", message=r"[\s\S]*Online softmax is disabled")
     log = _logger(opts.progress)
@@ -240,9 +237,20 @@ def _finetune(args, parser, argv) -> int:
         parser.error("--job finetune runs alone: give it without other jobs")
     device = pick_device(args.device)
     _check_out(args.out, parser)
+    if args.no_clobber:
+        _refuse_existing(args.out, finetune_cli.outputs(not args.no_plots), parser)
     meta = _meta(argv, device, [])
     meta["device_name"] = str(device)
-    return finetune_cli.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress))
+    return finetune_cli.main(args, parser, argv, meta, args.out, not args.no_plots, log=_logger(not args.no_progress),
+                             no_clobber=args.no_clobber)
+
+
+def _refuse_existing(out: str, names, parser) -> None:
+    """--no-clobber: refuse, before the run, an --out that holds any of the run's files."""
+    there = [n for n in names if os.path.lexists(os.path.join(out, n))]
+    if there:
+        parser.error(f"--out {out} already holds {', '.join(there)}, and --no-clobber refuses to "
+                     "overwrite them: choose another --out, or leave --no-clobber out")
 
 
 def _check_out(out: str, parser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from .cases import split_values
 from .finetune import DEFAULTS, Config, model_source, run, unavailable
@@ -86,8 +87,13 @@ def config_from_args(args, parser, device: str, warmup_given: bool) -> Config:
     return cfg
 
 
-def main(args, parser, argv, meta: dict, out: str, plots: bool, log=print) -> int:
-    from ..files import AtomicGroup
+def outputs(plots: bool) -> list[str]:
+    """The files a finetune run writes into --out."""
+    return ["finetune.txt", "finetune.md", "finetune.json"] + (["finetune.svg"] if plots else [])
+
+
+def main(args, parser, argv, meta: dict, out: str, plots: bool, log=print, no_clobber: bool = False) -> int:
+    from ..files import AtomicGroup, OutputError
 
     warmup_given = any(a == "--warmup" or a.startswith("--warmup=") for a in argv)
     cfg = config_from_args(args, parser, meta["device_name"], warmup_given)
@@ -99,17 +105,18 @@ def main(args, parser, argv, meta: dict, out: str, plots: bool, log=print) -> in
     print()
     print(text)
     header = f"{meta['command']}\n{meta['device']}; torch {meta['torch']}\ntext: {res['model']['text']}\n"
-    with AtomicGroup() as files:
-        with files.open(os.path.join(out, "finetune.txt"), "w") as f:
-            f.write(header + "\n" + text + "\n")
-        with files.open(os.path.join(out, "finetune.md"), "w") as f:
-            f.write(tables(res, markdown=True) + "\n")
-        with files.open(os.path.join(out, "finetune.json"), "w") as f:
-            json.dump(clean(res), f, indent=1)
-        written = ["finetune.txt", "finetune.md", "finetune.json"]
-        if plots:
-            with files.open(os.path.join(out, "finetune.svg"), "w") as f:
-                f.write(plot(res))
-            written.append("finetune.svg")
+    write = {"finetune.txt": lambda f: f.write(header + "\n" + text + "\n"),
+             "finetune.md": lambda f: f.write(tables(res, markdown=True) + "\n"),
+             "finetune.json": lambda f: json.dump(clean(res), f, indent=1),
+             "finetune.svg": lambda f: f.write(plot(res))}
+    written = outputs(plots)
+    try:
+        with AtomicGroup(no_clobber=no_clobber) as files:
+            for name in written:
+                with files.open(os.path.join(out, name), "w") as f:
+                    write[name](f)
+    except OutputError as e:  # --no-clobber: a file appeared in --out during the run
+        print(f"logitless bench: error: {e}; nothing was written", file=sys.stderr)
+        return 1
     print(f"wrote {', '.join(written)} to {out}")
     return 0

@@ -1,0 +1,80 @@
+"""A head tied to the input embedding, on a CPU: its two gradients summed in place, never two dense (V, D) at once.
+
+A tied weight gets two gradients in one backward: the head's, dense (V, D), and the input embedding's, whose
+nonzero rows are the N token ids of the batch. Stock autograd makes the embedding's dense too (a zeroed (V, D)
+into which the N rows are added) and then adds the two; on a CPU the fused loss computes the head's in its forward,
+so both exist at once: at Gemma 3 270M's vocabulary, two 671 MiB float32 tensors. PyTorch's own sparse embedding
+gradient does not help alone: autograd's sum of a dense and a sparse gradient of one tensor is out of place, into
+a third (V, D).
+
+`tied_embedding_forward` routes the two uses of the weight through one node (`_TiedRows`): the head reads one of its
+outputs and the embedding, asked for a sparse gradient, the other; its backward adds the embedding's N rows into
+the head's gradient in place and hands the sum on. The parameter's ``.grad`` stays dense (an embedding's gradient
+alone is made dense), in the order the rows are stored in. The head's gradient comes from logitless's own
+backward, which hands out a tensor nobody else holds, so adding into it is safe.
+
+Where it applies: eager mode (torch.compile traces the model as stock: its graph sums the two gradients itself),
+gradients wanted, the weight on a CPU (a sparse embedding backward with a ``padding_idx`` synchronises with a GPU
+to drop that row), a plain ``nn.Embedding`` (or subclass) holding the head's weight without ``max_norm`` (an in-place
+renormalisation of the weight) or ``scale_grad_by_freq`` (which has no sparse backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .._validate import is_compiling
+
+
+class _TiedRows(torch.autograd.Function):
+    """weight -> (the head's weight, the embedding's weight), two views; the backward sums their gradients, the
+    embedding's (sparse, or absent) into the head's in place."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.set_materialize_grads(False)  # an unused output gives None, not a zeroed (V, D)
+        return weight.view_as(weight), weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, g_head, g_embedding):
+        if g_embedding is None:
+            return g_head
+        if g_head is None:
+            return g_embedding.to_dense() if g_embedding.is_sparse else g_embedding
+        if torch.is_grad_enabled():  # create_graph=True: the sum must be recorded, not done in place
+            return g_head + g_embedding
+        return g_head.add_(g_embedding)
+
+
+def tied_embedding(model: nn.Module, weight: torch.Tensor) -> nn.Embedding | None:
+    """The model's input embedding where it holds `weight` and the in-place sum applies now, else None."""
+    if is_compiling() or not torch.is_grad_enabled() or not weight.requires_grad or weight.device.type != "cpu":
+        return None
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(emb, nn.Embedding) or emb._parameters.get("weight") is not weight:
+        return None
+    if emb.max_norm is not None or emb.scale_grad_by_freq:
+        return None
+    return emb
+
+
+@contextlib.contextmanager
+def tied_rows(emb: nn.Embedding, weight: torch.Tensor):
+    """Within: `emb` reads the embedding's view of `weight` with a sparse gradient; yields the head's view. The
+    embedding is as it was on exit."""
+    w_head, w_emb = _TiedRows.apply(weight)
+    sparse = emb.sparse
+    # A plain tensor in the parameter's slot for the duration of the call, as torch.func.functional_call does.
+    emb._parameters["weight"] = w_emb
+    emb.sparse = True
+    try:
+        yield w_head
+    finally:
+        emb._parameters["weight"] = weight
+        emb.sparse = sparse
