@@ -105,8 +105,8 @@ def row_budget(m: torch.Tensor, logs: torch.Tensor, threshold: float, A: torch.T
     error in the row's gradient scales with it, with the row's coefficients and with its mass outside its top class
     (1 - p_max,i = -expm1(-logs_i)): e_i = max(1, |m_i|) (|A_i| + |B_i|) (1 - p_max,i), b_i the same without the
     last factor. The rule the budget keeps is the batch's (the error of the whole gradient against PyTorch's), so
-    the rows share it: E_i = |threshold| sqrt((e_i^2 + R^2 b_i^2) / 2) with R^2 = sum e^2 / sum b^2, hence
-    sum_i E_i^2 = threshold^2 sum_i e_i^2, what budgets of |threshold| e_i per row would allow; but a near-certain
+    the rows share it: T_i = |threshold| sqrt((e_i^2 + R^2 b_i^2) / 2) with R^2 = sum e^2 / sum b^2, hence
+    sum_i T_i^2 = threshold^2 sum_i e_i^2, what budgets of |threshold| e_i per row would allow; but a near-certain
     row among uncertain ones may lose more than its own tiny share, and no row gets less than 1/sqrt(2) of its own
     (docs/kernels.md, "Sparsity"). A batch of near-certain rows has R ~ 1 - p_max: it skips nothing."""
     coef = A.float().abs() if B is None else A.float().abs() + B.float().abs()
@@ -136,18 +136,18 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
 
     tile_lse (N, T) float16 holds each row's log-sum-exp over each tile, so row i's probability mass in tile t is
     at most r_it = exp(widened tile_lse[i, t] - lse_i). Skipping the pair costs the row's gradient at most c_it
-    (skip_cost: |A_i| r_it, plus a term with the entropy's coefficient B_i); each row may take E_i (row_budget) in
+    (skip_cost: |A_i| r_it, plus a term with the entropy's coefficient B_i); each row may take T_i (row_budget) in
     all. Rows with A_i = B_i = 0 have nothing to lose; a tile holding a row's target is never skipped for its block
     (the one-hot term). With group_rows, rows are first sorted (stably) by the number of tiles whose cost is more than
     _HOT_FRACTION of their budget, so that a block's rows share their cold tiles; the plan's blocks are blocks of
-    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest c_it / E_i over
-    the block's rows while every row's running sum of c_it / E_i stays <= 1. So each gradient row changes by at most
-    E_i in L1, and without B, every row loses at most E_i / |A_i| of its mass (docs/kernels.md)."""
+    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest c_it / T_i over
+    the block's rows while every row's running sum of c_it / T_i stays <= 1. So each gradient row changes by at most
+    T_i in L1, and without B, every row loses at most T_i / |A_i| of its mass (docs/kernels.md)."""
     N, T = tile_lse.shape
     n_blocks = cdiv(N, block_n)
     dev = m.device
     lse = m + logs
-    # c_it / E_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
+    # c_it / T_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
     # the float16 rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
     u = tile_lse.float()
