@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import testing
+from logitless import testing, triton_backend
 from logitless.apps.bench import data
 from logitless.kernels import linear_head as lh
 from logitless.kernels.linear_head import configs as lh_configs
@@ -320,7 +320,7 @@ def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
     wide, orders, second = [], [], []
     first_pass, make_order, second_pass = lh_plans._first_pass, lh.vocab_order, lh_plans._second_pass
     monkeypatch.setattr(lh_plans, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
-    monkeypatch.setattr(lh, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
+    monkeypatch.setattr(triton_backend, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
     monkeypatch.setattr(lh_plans, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
     tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
