@@ -51,6 +51,14 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _import_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` reads from, relative levels resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _import_sites(name: str, path: Path) -> set[tuple[str, bool]]:
     """(module, lazy) for each of the package's modules that `name` imports: lazy where the import statement is
     inside a function."""
@@ -63,11 +71,7 @@ def _import_sites(name: str, path: Path) -> set[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
+            base = _import_base(node, package)
             # `from . import x` names a module x; `from .m import y` names something in m.
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         else:
@@ -161,11 +165,7 @@ def _private_imports(name: str, path: Path) -> set[tuple[str, str]]:
         if isinstance(node, ast.Import):
             imported += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
+            base = _import_base(node, package)
             imported += [f"{base}.{alias.name}" for alias in node.names]
             bound.update({alias.asname or alias.name: f"{base}.{alias.name}" for alias in node.names
                           if f"{base}.{alias.name}" in MODULES})
