@@ -90,7 +90,7 @@ def train(spec: dict) -> dict:
     if v is not None and v.patch == "logitless":
         import logitless
 
-        logitless.patch(lm)
+        logitless.patch(lm, **spec.get("patch_options", {}))
     elif v is not None and v.patch == "liger":
         import liger_kernel.transformers as lk
 
@@ -178,6 +178,10 @@ def train(spec: dict) -> dict:
         weight = getattr(head, "weight", None)
         if weight is not None:
             rec["skip_state"], rec["skipped"] = skip_gate.state(weight), skip_gate.last_share(weight)
+    if spec.get("profile") and cuda:
+        from .finetune_profile import profile
+
+        rec["profile"] = profile(step, ids_all)
     if v is not None and v.patch == "liger":
         rec["liger"] = getattr(sys.modules.get("liger_kernel"), "__version__", None)
     return rec
