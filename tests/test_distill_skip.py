@@ -10,7 +10,7 @@ import torch
 
 import logitless
 
-from .helpers import assert_within_rule, grads, leaves
+from .helpers import assert_compiled_matches_eager, assert_within_rule, grads, leaves
 from .test_distill import _naive, _ours
 
 HOT_SETS = ([3, 40, 77, 101], [150, 151, 190, 12], [60, 61, 62, 199])
@@ -122,6 +122,22 @@ def test_dense_by_default_and_float32_auto(tune):
         logitless.linear_jsd(xs, ws, xt, wt, skip_threshold=1.5)
     with pytest.raises(ValueError, match="skip_threshold"):
         logitless.linear_soft_cross_entropy(xs, ws, xt, wt, skip_threshold="always")
+
+
+def test_torch_compile_fullgraph_skipping(tune):
+    # the pair costs are outputs of the opaque loss op, shaped by the options alone: one graph, as eager
+    xs, ws, xt, wt, t = peaked_pair(torch.bfloat16)
+
+    plans = []
+    tune(skip_min_share=0.0, debug_plans=plans)
+    bs = torch.zeros(ws.shape[0], dtype=ws.dtype)
+
+    def loss_fn(x, w, b, t):
+        return logitless.linear_kl_div(x, w, xt, wt, student_bias=b, target=t, direction="reverse",
+                                       backend="triton", skip_threshold=2.0**-10)
+
+    assert_compiled_matches_eager(loss_fn, xs, ws, bs, t, compile_backend="aot_eager")
+    assert len(plans) == 2 and torch.equal(plans[0].hot, plans[1].hot) and int((plans[0].hot == 0).sum()) > 0
 
 
 @pytest.mark.gpu
