@@ -7,6 +7,8 @@ LigerFusedLinearJSD where it is installed.
     python tools/gpu_distill.py --shape 8192,2304,256000 --rounds 5 --reps 3
     python tools/gpu_distill.py --tiles 128,64,64,8,3             # two-head tiles: block_n, block_v, block_k,
                                                                     # warps, stages (forward and dz kernels)
+    python tools/gpu_distill.py --skip-threshold auto             # the KLs and the JSD also skipping cold pairs
+                                                                    # (every call, skip_gate's break-even at 0)
 
 Peak memory is what a call allocates above its inputs and the gradients it returns (torch.cuda's peak counter).
 """
@@ -21,7 +23,7 @@ import statistics
 import torch
 
 import logitless
-from logitless import testing
+from logitless import skip_gate, testing
 from logitless.apps.bench import cases, data
 from logitless.apps.bench.check import rule_line
 from logitless.kernels import tuning, two_heads
@@ -46,7 +48,7 @@ class _Tuned:
             self.out.backward()
 
 
-def _losses(liger):
+def _losses(liger, skip=None):
     out = {
         "ce (student alone)": lambda x, w, xt, wt, t: logitless.linear_cross_entropy(x, w, t),
         # the yardstick of the product count (4 products): the same head without the forward's stash of logits
@@ -57,13 +59,21 @@ def _losses(liger):
         "soft ce": lambda x, w, xt, wt, t: logitless.linear_soft_cross_entropy(x, w, xt, wt, target=t,
                                                                                reduction="mean"),
     }
+    if skip is not None:
+        out["kl forward skip"] = _Tuned(lambda x, w, xt, wt, t: logitless.linear_kl_div(
+            x, w, xt, wt, target=t, skip_threshold=skip), skip_min_share=0.0)
+        out["kl reverse skip"] = _Tuned(lambda x, w, xt, wt, t: logitless.linear_kl_div(
+            x, w, xt, wt, target=t, direction="reverse", skip_threshold=skip), skip_min_share=0.0)
+        out["jsd 0.5 skip"] = _Tuned(lambda x, w, xt, wt, t: logitless.linear_jsd(
+            x, w, xt, wt, target=t, skip_threshold=skip), skip_min_share=0.0)
     if liger is not None:
         out["liger jsd 0.5"] = lambda x, w, xt, wt, t: liger(x, w, xt, wt, t)
     return out
 
 
 _KIND = {"kl forward": ("fkl", 0.5), "kl reverse": ("rkl", 0.5), "jsd 0.5": ("jsd", 0.5), "soft ce": ("ce", 0.5),
-         "liger jsd 0.5": ("jsd", 0.5)}
+         "liger jsd 0.5": ("jsd", 0.5), "kl forward skip": ("fkl", 0.5), "kl reverse skip": ("rkl", 0.5),
+         "jsd 0.5 skip": ("jsd", 0.5)}
 
 
 def _check(name, fn, x, w, xt, wt, t, rows):
@@ -126,7 +136,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check-rows", type=int, default=256)
     ap.add_argument("--tiles", default=None, help="block_n,block_v,block_k,warps,stages of the two-head kernels")
+    ap.add_argument("--skip-threshold", default=None,
+                    help='"auto" or a float: also time the KLs and the JSD with this skip_threshold')
     args = ap.parse_args()
+    skip = args.skip_threshold
+    if skip is not None and skip != "auto":
+        skip = float(skip)
     n, d, v = (int(a) for a in args.shape.split(","))
     if args.tiles:
         bn, bv, bk, warps, stages = (int(a) for a in args.tiles.split(","))
@@ -144,7 +159,7 @@ def main():
         liger = LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0)
     except ImportError:
         pass
-    losses = _losses(liger)
+    losses = _losses(liger, skip)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  shape N={n} D={d} V={v} bf16 data={args.data}"
           f"  two-head tiles {two_heads.config(x)}")
     for name, fn in losses.items():
@@ -162,6 +177,9 @@ def main():
     for name, fn in losses.items():
         med = statistics.median(times[name])
         print(f"{name:22s} {med:10.2f} {med / ref:6.2f} {med / ref4:14.2f} {_peak(fn, full):9.1f}")
+    if skip == "auto":
+        torch.cuda.synchronize()
+        print(f"skipped share of the last plan: {skip_gate.last_share(w)}")
 
 
 if __name__ == "__main__":

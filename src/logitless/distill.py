@@ -107,18 +107,21 @@ def reduce_rows(per_row: torch.Tensor, valid: torch.Tensor | None, reduction: st
     return total / count
 
 
-def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None):
+def _run(a: TwoHeadArgs, kind, beta, softcap, temperature, reduction, backend, op, workspace_bytes=None,
+         skip_threshold=None):
     softcap = None if softcap is None else float(softcap)
     inv_temp = 1.0 / float(temperature)
     per_row = head.two_heads_loss(a.xs, a.ws, a.bs, a.xt, a.wt, a.bt, kind, beta, softcap, inv_temp,
-                                  workspace_bytes, backend=head.choose_backend(backend, a.xs, op))
+                                  workspace_bytes, backend=head.choose_backend(backend, a.xs, op),
+                                  skip_threshold=skip_threshold)
     return reduce_rows(per_row, a.valid, reduction, a.lead_shape)
 
 
-def _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes):
+def _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes, skip_threshold):
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_options(reduction=reduction, temperature=temperature, softcap=softcap, ignore_index=ignore_index)
     _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, "none", None, None)
     return ignore_index
 
 
@@ -142,6 +145,7 @@ def linear_kl_div(
     softcap: float | None = None,
     backend: str = "auto",
     workspace_bytes: int | None = None,
+    skip_threshold: float | str | None = None,
 ) -> torch.Tensor:
     """KL divergence between the softmaxes of two linear heads, per token, without building either's logits.
 
@@ -164,17 +168,22 @@ def linear_kl_div(
         reduction: "mean" (over the kept rows; NaN when none is kept), "sum", or "none" (float32 per row, 0 at
             ignored rows).
         backend, workspace_bytes: as in :func:`logitless.linear_cross_entropy`.
+        skip_threshold: None (the default: every pair computed), a float in [0, 1) or "auto" (bfloat16 / float16
+            only): the Triton backward may leave out the (token block, vocabulary tile) pairs where both heads are
+            cold, each row's dL/dz changing by at most that fraction of its scale in L1 (for "auto", a budget
+            relative to PyTorch's own rounding, where skipping pays); docs/distill.md, "Skipping cold tiles".
 
     Returns:
         float32 loss: a scalar, or the leading shape for ``reduction="none"``.
     """
-    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes, skip_threshold)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     a = validate(student_input, student_weight, teacher_input, teacher_weight, student_bias, teacher_bias, target,
                  ignore_index)
     kind = "fkl" if direction == "forward" else "rkl"
-    return _run(a, kind, 0.0, softcap, temperature, reduction, backend, "linear_kl_div", workspace_bytes)
+    return _run(a, kind, 0.0, softcap, temperature, reduction, backend, "linear_kl_div", workspace_bytes,
+                skip_threshold)
 
 
 def linear_jsd(
@@ -193,6 +202,7 @@ def linear_jsd(
     softcap: float | None = None,
     backend: str = "auto",
     workspace_bytes: int | None = None,
+    skip_threshold: float | str | None = None,
 ) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence between the softmaxes of two linear heads, per token, without logits.
 
@@ -202,14 +212,14 @@ def linear_jsd(
     ``beta``, with the same two edges: ``beta = 0`` is the forward ``KL(p_t || p_s)`` and ``beta = 1`` the reverse
     ``KL(p_s || p_t)`` (the limits of the JSD divided by ``beta`` and by ``1 - beta``; the unscaled JSD itself
     tends to 0 there), computed as :func:`linear_kl_div` does. Other arguments, the temperature convention (no
-    ``temperature**2`` factor) and the frozen teacher as in :func:`linear_kl_div`.
+    ``temperature**2`` factor), ``skip_threshold`` and the frozen teacher as in :func:`linear_kl_div`.
     """
-    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes, skip_threshold)
     beta = check_beta(beta)
     a = validate(student_input, student_weight, teacher_input, teacher_weight, student_bias, teacher_bias, target,
                  ignore_index)
     kind = "fkl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
-    return _run(a, kind, beta, softcap, temperature, reduction, backend, "linear_jsd", workspace_bytes)
+    return _run(a, kind, beta, softcap, temperature, reduction, backend, "linear_jsd", workspace_bytes, skip_threshold)
 
 
 def linear_soft_cross_entropy(
@@ -227,6 +237,7 @@ def linear_soft_cross_entropy(
     softcap: float | None = None,
     backend: str = "auto",
     workspace_bytes: int | None = None,
+    skip_threshold: float | str | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of one head's softmax under another's, per token: ``-sum_j q_j log p_j`` with
     ``p = softmax(z)`` of the head (``input``, ``linear_weight``, ``linear_bias``) and ``q = softmax(z')`` of the
@@ -236,11 +247,11 @@ def linear_soft_cross_entropy(
     with an observer model's head as the first and a performer's as the target head, the cross-perplexity
     (in log form, nats per token) of the Binoculars score (docs/detect.md). Temperature and softcap apply to both
     heads as in :func:`linear_kl_div`. Differentiable with respect to the first head only (the target head is
-    treated as constant). ``target`` masks rows as in :func:`linear_kl_div`; ``reduction`` defaults to "none"
-    (float32 per token, 0 at ignored rows).
+    treated as constant). ``target`` masks rows and ``skip_threshold`` skips as in :func:`linear_kl_div`;
+    ``reduction`` defaults to "none" (float32 per token, 0 at ignored rows).
     """
-    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes)
+    ignore_index = _common_checks(reduction, temperature, softcap, ignore_index, workspace_bytes, skip_threshold)
     a = validate(input, linear_weight, target_input, target_weight, linear_bias, target_bias, target, ignore_index,
                  names=("input", "target"))
     return _run(a, "ce", 0.0, softcap, temperature, reduction, backend, "linear_soft_cross_entropy",
-                workspace_bytes)
+                workspace_bytes, skip_threshold)

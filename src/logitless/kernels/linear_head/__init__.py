@@ -55,13 +55,16 @@ that tests and tools change are fields of kernels.Tuning, read at each launch.
 """
 
 from .configs import Config, config_for, fp32_config, gpu_config, hopper_config, interpreter_config, small_smem_config
+from .hot_products import hot_products
 from .launch import backward, forward_stats
 from .plans import (
     SkipPlan,
     StashLayout,
     acc_forced,
+    cold_pairs,
     dz_rows,
     scratch_ld,
+    shared_budget,
     skip_plan,
     skip_supported,
     stash_layout,
@@ -71,7 +74,8 @@ from .plans import (
 
 # What the two-head backward (kernels/two_heads) shares with this one: the workspace plan of a backward, where its
 # dz and float32 dx accumulator live (backward_plan), the vocabulary walk of its first and second passes, the dz
-# views, and the gradient products.
+# views, and the gradient products; for its skipping, the plan from per-pair costs (cold_pairs), the budgets
+# shared over the batch (shared_budget) and the products over the hot pairs (hot_products).
 from .plans import _first_pass as first_pass_chunks
 from .plans import _plan as backward_plan
 from .plans import _second_pass as second_pass_chunks
@@ -80,7 +84,8 @@ from .products import MM_OUT_DTYPE, Fp32Reductions, products_torch
 
 __all__ = [
     "MM_OUT_DTYPE", "Config", "Fp32Reductions", "SkipPlan", "StashLayout", "acc_forced", "backward", "backward_plan",
-    "config_for", "dz_rows", "first_pass_chunks", "forward_stats", "fp32_config", "gpu_config", "hopper_config",
-    "interpreter_config", "products_torch", "scratch_ld", "second_pass_chunks", "skip_plan", "skip_supported",
-    "small_smem_config", "stash_layout", "tile_grid", "vocab_order", "workspace_plan",
+    "cold_pairs", "config_for", "dz_rows", "first_pass_chunks", "forward_stats", "fp32_config", "gpu_config",
+    "hopper_config", "hot_products", "interpreter_config", "products_torch", "scratch_ld", "second_pass_chunks",
+    "shared_budget", "skip_plan", "skip_supported", "small_smem_config", "stash_layout", "tile_grid", "vocab_order",
+    "workspace_plan",
 ]

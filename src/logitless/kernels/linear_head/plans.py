@@ -113,7 +113,14 @@ def row_budget(m: torch.Tensor, logs: torch.Tensor, threshold: float, A: torch.T
     if threshold > 0:
         return coef * threshold
     b = m.abs().clamp(min=1.0) * coef
-    e = b * -torch.expm1(-logs.float())
+    return shared_budget(b * -torch.expm1(-logs.float()), b, threshold)
+
+
+def shared_budget(e: torch.Tensor, b: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(N,) float32 budgets T_i = |threshold| sqrt((e_i^2 + R^2 b_i^2) / 2), R^2 = sum e^2 / sum b^2, for rows
+    whose gradient PyTorch rounds to an error of about e_i (in units of the rounding of one logit) and b_i the same
+    without the factor of the mass outside the top class (row_budget): the batch's sum of T_i^2 is that of
+    |threshold| e_i, shared so that no row gets less than 1/sqrt(2) of its own share."""
     r2 = e.square().sum() / b.square().sum().clamp(min=1e-30)
     return ((e.square() + r2 * b.square()) * 0.5).sqrt_().mul_(-threshold)
 
@@ -138,14 +145,8 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     at most r_it = exp(widened tile_lse[i, t] - lse_i). Skipping the pair costs the row's gradient at most c_it
     (skip_cost: |A_i| r_it, plus a term with the entropy's coefficient B_i); each row may take T_i (row_budget) in
     all. Rows with A_i = B_i = 0 have nothing to lose; a tile holding a row's target is never skipped for its block
-    (the one-hot term). With group_rows, rows are first sorted (stably) by the number of tiles whose cost is more than
-    _HOT_FRACTION of their budget, so that a block's rows share their cold tiles; the plan's blocks are blocks of
-    that order (SkipPlan.rows). Per block, tiles are skipped in increasing order of their largest c_it / T_i over
-    the block's rows while every row's running sum of c_it / T_i stays <= 1. So each gradient row changes by at most
-    T_i in L1, and without B, every row loses at most T_i / |A_i| of its mass (docs/kernels.md)."""
-    N, T = tile_lse.shape
-    n_blocks = cdiv(N, block_n)
-    dev = m.device
+    (the one-hot term). cold_pairs picks the pairs from c_it / T_i. So each gradient row changes by at most T_i in
+    L1, and without B, every row loses at most T_i / |A_i| of its mass (docs/kernels.md)."""
     lse = m + logs
     # c_it / T_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
@@ -164,6 +165,23 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         tt = torch.where(valid, pos // block_v, 0)[:, None]
         q.scatter_(1, tt, torch.where(valid[:, None], float("inf"), q.gather(1, tt)))
     q.masked_fill_((budget == 0)[:, None], 0.0)
+    bound = None
+    if current_tuning().debug_plans is not None:
+        bound = torch.where((budget > 0)[:, None], r, 0.0)  # the skipped mass, 0 for rows without coefficients
+    return cold_pairs(q, block_n, group_rows, bound)
+
+
+def cold_pairs(q: torch.Tensor, block_n: int, group_rows: bool = True, bound: torch.Tensor | None = None
+               ) -> SkipPlan:
+    """The SkipPlan of the (N, T) costs q, each (row, tile) pair's cost relative to its row's budget (+inf where
+    the pair must be computed, 0 where it costs nothing), on the device (no host sync). With group_rows, rows are
+    first sorted (stably) by the number of tiles whose q is over _HOT_FRACTION, so that a block's rows share
+    their cold tiles (the plan's blocks are blocks of that order: SkipPlan.rows). Per block, tiles are skipped in
+    increasing order of their largest q over the block's rows while every row's running sum stays <= 1. bound:
+    (N, T) or None, the quantity SkipPlan.row_bound sums over each row's skipped pairs."""
+    N, T = q.shape
+    n_blocks = cdiv(N, block_n)
+    dev = q.device
     rows = None
     if group_rows and n_blocks > 1:
         rows = torch.sort((q > _HOT_FRACTION).sum(1), stable=True).indices
@@ -181,12 +199,12 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
         cold[lo // block_n: lo // block_n + nb].scatter_(1, order, run <= 1.0 - 2.0**-16)
     hot = ~cold
     row_bound = None
-    if current_tuning().debug_plans is not None:
-        # Each row's bound on its skipped mass, in input row order (0 for rows without coefficients).
+    if bound is not None:
+        # Each row's sum of `bound` over its skipped pairs, in input row order.
         blk = torch.arange(N, device=dev) // block_n
         if rows is not None:
             blk = torch.empty_like(blk).index_copy_(0, rows, blk)
-        row_bound = torch.where(cold[blk] & (budget > 0)[:, None], r, 0.0).sum(1, dtype=torch.float64).float()
+        row_bound = torch.where(cold[blk], bound, 0.0).sum(1, dtype=torch.float64).float()
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(

@@ -26,12 +26,20 @@ two gradient products (dW_s rows = dz^T x_s, dx_s += dz W_s[chunk]) run through 
 rows of dW_s not written yet, so the extra memory is the same O(N) plus scratch as the single-head backward's.
 Nothing here synchronises with the host.
 
+Skipping (docs/math.md, "Skipping cold tiles of two heads"): with `tiles`, the forward records per (row, tile) both
+heads' tile log-sum-exps and the teacher's smallest logit; pair_costs turns them into bounds on what leaving a pair
+out costs each kind's dL/dz, skip_plan picks the cold (token block, tile) pairs within each row's budget (on
+linear_head's cold_pairs), and backward(sp=...) neither recomputes nor multiplies them (linear_head's
+hot_products).
+
 Modules, as linear_head's: launch (the two launchers), configs (tiles per architecture), kernels (the
-@triton.jit kernels).
+@triton.jit kernels), plans (the skip plan).
 """
 
 from ..linear_head.configs import fp32_config
 from .configs import arch_config, config, gpu_config, interpreter_config
 from .launch import backward, forward_stats
+from .plans import pair_costs, skip_plan, skip_supported, tile_count
 
-__all__ = ["arch_config", "backward", "config", "forward_stats", "fp32_config", "gpu_config", "interpreter_config"]
+__all__ = ["arch_config", "backward", "config", "forward_stats", "fp32_config", "gpu_config", "interpreter_config",
+           "pair_costs", "skip_plan", "skip_supported", "tile_count"]

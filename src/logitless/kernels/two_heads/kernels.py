@@ -85,7 +85,7 @@ def _mix_terms(u, log_beta, log_1mb, c0):
 @triton.jit
 def _two_fwd_kernel(
     # pointers
-    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, part_ptr,
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, part_ptr, tiles_ptr,
     # sizes
     N, V, Ds, Dt, n_splits, tiles_per_split,
     # strides
@@ -98,14 +98,16 @@ def _two_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, FUSED: tl.constexpr,
-    HALF_TANH: tl.constexpr,
+    HALF_TANH: tl.constexpr, RECORD_TILES: tl.constexpr,
 ):
     # MODE 0/1 (pass 1): per (split, row) partials [m_s, s_s, m_t, s_t, ent_a, d_a, zr, t_a] of the split's tiles,
     # with a = the student (WEIGHT_S) or the teacher: s = sum e, e = exp(z - m); ent_a = sum e_a (z_a - m_a);
     # zr = z_b at a's argmax, d_a = sum e_a ((z_a - m_a) - (z_b - zr)), t_a = sum e_a expm1((z_b - zr) - (z_a - m_a))
     # (loss_math.t_terms), each only where asked for (HAS_ENT, HAS_D, HAS_T; 0 otherwise). MODE 2 (the JSD's pass
     # 2): partials [kt, ks] from stats_ptr's (6, N) final (m_s, logs_s, m_t, logs_t, logs_s - logs_t, u_ref), ks
-    # relative to the student's argmax (loss_math.RowStats).
+    # relative to the student's argmax (loss_math.RowStats). RECORD_TILES (pass 1): tiles_ptr's (3, N, tiles)
+    # float32 receive per (row, tile) the student's and the teacher's log sum_j exp(z_j) over the tile and the
+    # teacher's smallest logit in it, which bound what the backward may skip (two_heads.plans.pair_costs).
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, split = grouped(pid, n_blocks, n_splits, GROUP)
@@ -184,6 +186,14 @@ def _two_fwd_kernel(
             live = e > 0  # 0 at masked columns and -inf logits: their products would be NaN
             mb_new = tl.maximum(m_b, tl.max(zb, axis=1))
             eb = exp(zb - mb_new[:, None])
+            if RECORD_TILES:
+                tile = rows * n_vtiles + col0 // BLOCK_V
+                lse_a = ma_new + tl.log(tl.sum(e, axis=1))
+                lse_b = mb_new + tl.log(tl.sum(eb, axis=1))
+                tl.store(tiles_ptr + tile, lse_a if WEIGHT_S else lse_b, mask=row_ok)
+                tl.store(tiles_ptr + N * n_vtiles + tile, lse_b if WEIGHT_S else lse_a, mask=row_ok)
+                low_t = tl.min(tl.where(col_ok[None, :], zt, float("inf")), axis=1)
+                tl.store(tiles_ptr + 2 * N * n_vtiles + tile, low_t, mask=row_ok)
             if HAS_ENT:
                 ent = rescale_ent(ent, s_a, alpha, m_a - ma_new) + tl.sum(tl.where(live, e * da, 0.0), axis=1)
             if HAS_REF:
@@ -306,9 +316,9 @@ def _two_dz_tile(
 @triton.jit
 def _two_dz_kernel(
     # pointers
-    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr, dbp_ptr,
-    # sizes (n_progs: programs of a persistent launch)
-    N, Ds, Dt, v_begin, v_end, n_progs,
+    xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr, dbp_ptr, hot_ptr,
+    # sizes (n_progs: programs of a persistent launch; n_vtiles: tiles of hot_ptr's map)
+    N, Ds, Dt, v_begin, v_end, n_progs, n_vtiles,
     # strides
     sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v, swt_d, stride_dz, stride_dbp,
     # options
@@ -319,11 +329,12 @@ def _two_dz_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED: tl.constexpr, HALF_TANH: tl.constexpr, FINE_SLOPE: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SKIP: tl.constexpr,
 ):
     # The student's dL/d(raw logit) of one (token block, tile) of the chunk [v_begin, v_end), times g per row:
     # MODE 0: p_s - p_t; MODE 1: p_s (log p_s - log p_t - KL); MODE 2: scale p_s (log p_s - log M - R).
-    # PERSISTENT: n_progs programs walk the tiles in the grouped order (as the single head's _dz_kernel).
+    # PERSISTENT: n_progs programs walk the tiles in the grouped order (as the single head's _dz_kernel). SKIP:
+    # hot_ptr is the skip plan's (token blocks, tiles) map, 0 at the pairs left out.
     n_nb = tl.cdiv(N, BLOCK_N)
     n_vt = tl.cdiv(v_end - v_begin, BLOCK_V)
     if PERSISTENT:
@@ -336,6 +347,16 @@ def _two_dz_kernel(
                           BLOCK_K, EVEN_KS, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA, FUSED, HALF_TANH, FINE_SLOPE)
     else:
         pid_n, pid_v = grouped(tl.program_id(0), n_nb, n_vt, GROUP)
+        if SKIP:
+            # A cold (token block, tile) pair of the skip plan (never persistent): no recomputation, no dz (the
+            # products read hot pairs only), a zero bias gradient. v_begin is a multiple of BLOCK_V.
+            hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
+            if hot == 0:
+                if HAS_DB:
+                    lcols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+                    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
+                             mask=lcols < v_end - v_begin)
+                return
         _two_dz_tile(pid_n, pid_v, xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr,
                      dbp_ptr, N, Ds, Dt, v_begin, v_end, sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v,
                      swt_d, stride_dz, stride_dbp, softcap, inv_temp, log_beta, log_1mb, c0, scale, MODE,

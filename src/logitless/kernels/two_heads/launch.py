@@ -19,6 +19,7 @@ from ..linear_head import (
     backward_plan,
     dz_rows,
     first_pass_chunks,
+    hot_products,
     products_torch,
     scratch_ld,
     second_pass_chunks,
@@ -27,6 +28,7 @@ from ..linear_head import (
 from ..linear_head.configs import descriptor, dot_flags, operands, tma_ok, use_tma
 from .configs import config, dz_config
 from .kernels import _two_dz_kernel, _two_fwd_kernel
+from .plans import product_config
 
 _MODES = {"fkl": 0, "ce": 0, "rkl": 1, "jsd": 2}
 
@@ -88,8 +90,9 @@ def _beta_args(kind, beta):
     return math.log(beta), math.log1p(-beta), math.log1p(-beta) - math.log(beta)
 
 
-def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
-    """(m_s, logs_s, m_t, logs_t, ea, da, kt, ks) per row; see the module docstring."""
+def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp, tiles=None):
+    """(m_s, logs_s, m_t, logs_t, ea, da, kt, ks) per row; see the module docstring. tiles: None, or a (3, N,
+    plans.tile_count) float32 buffer that receives the tile records of the backward's skipping (_two_fwd_kernel)."""
     N, Ds = xs.shape
     V = ws.shape[0]
     f32 = dict(device=xs.device, dtype=torch.float32)
@@ -113,9 +116,11 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     # forward, so that its logits are bitwise those the backward recomputes with the same tiles: the JSD's and the
     # reverse KL's gradients subtract the row's divergence from per-class terms, and a logit rounded differently
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
-    _two_fwd_kernel[grid](*args, None, part, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
+    if tiles is not None:
+        assert tiles.shape == (3, N, n_vtiles) and tiles.dtype == torch.float32 and tiles.is_contiguous()
+    _two_fwd_kernel[grid](*args, None, part, tiles, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
                           MODE=0, WEIGHT_S=kind in ("rkl", "jsd"), HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
-                          HAS_REF=True, HAS_T=want_t,
+                          HAS_REF=True, HAS_T=want_t, RECORD_TILES=tiles is not None,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
     m_s, s_s, m_t, s_t, ent, d_a, zr, t_a = part.unbind(0)
@@ -140,10 +145,10 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
     part2 = new_buffer((3, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
     u_ref = (zr_row - big_t) + dl  # log p_t - log p_s at the student's argmax, as the kernels form it per class
-    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, N, V, Ds,
+    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, None, N, V, Ds,
                           xt.shape[1],
                           n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
-                          HAS_REF=False, HAS_T=False,
+                          HAS_REF=False, HAS_T=False, RECORD_TILES=False,
                           EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2[:2].sum(1).unbind(0)
     # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly). d_ref: the
@@ -152,8 +157,10 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp):
 
 
 def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, beta, softcap, inv_temp, need_dx,
-             need_dw, need_db, workspace_bytes=None):
-    """Gradients (dx_s, dW_s, db_s) of the student head; see the module docstring."""
+             need_dw, need_db, workspace_bytes=None, sp=None):
+    """Gradients (dx_s, dW_s, db_s) of the student head; see the module docstring. sp: None, or the SkipPlan of
+    plans.skip_plan (skip_supported(xs)): its cold pairs are neither recomputed nor multiplied, and the rows run
+    in its order (sp.rows)."""
     N, D = xs.shape
     V = ws.shape[0]
     need_db = bool(need_db and bs is not None)
@@ -161,8 +168,17 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     if empty:
         return dx, dw, None if db is None else db.to(bs.dtype)
     cfg = dz_config(xs)
+    skip = sp is not None
+    rows = sp.rows if skip else None
+    if skip:
+        cfg = product_config(cfg)
+    if rows is not None:
+        # The plan's token blocks are blocks of its row order: copies of both inputs and the row vectors in that
+        # order (O(N D)), dx back in the input's order at the end.
+        xs, xt, m_s, logs_s, m_t, logs_t, g = (t.index_select(0, rows) for t in (xs, xt, m_s, logs_s, m_t, logs_t, g))
+        R = R.index_select(R.dim() - 1, rows)
     ws_plan = workspace_plan(N, V, D, xs.element_size(), workspace_bytes, acc_forced(xs, need_dx, need_dw, N, V, D))
-    plan = backward_plan(xs, dx, dw, N, V, D, cfg, False, ws_plan)
+    plan = backward_plan(xs, dx, dw, N, V, D, cfg, skip, ws_plan)
     args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     stats = torch.stack([m_s, logs_s, m_t, logs_t])
     beta_args = _beta_args(kind, beta)
@@ -190,23 +206,29 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             dz_arg = descriptor(dz, [cfg.block_n, cfg.block_v])
         dbp = new_buffer((n_blocks, v1 - v0), **f32) if with_db else None
         n_tiles = n_blocks * cdiv(v1 - v0, cfg.block_v)
-        persistent = dz_tma and current_tuning().two_heads_dz_persistent
+        persistent = dz_tma and current_tuning().two_heads_dz_persistent and not skip
         n_progs = min(n_tiles, num_sms(xs.device, INTERPRETER_SMS_BACKWARD)) if persistent else n_tiles
         _two_dz_kernel[(n_progs,)](
-            *args, stats, R, g, dz_arg, dbp,
-            N, D, xt.shape[1], v0, v1, n_progs, *strides, dz.stride(0) if store else 0,
+            *args, stats, R, g, dz_arg, dbp, sp.hot if skip else None,
+            N, D, xt.shape[1], v0, v1, n_progs, sp.hot.shape[1] if skip else 0, *strides, dz.stride(0) if store else 0,
             dbp.stride(0) if with_db else 0, float(softcap or 1.0), float(inv_temp), *beta_args, scale,
             MODE=mode, STORE_DZ=store, HAS_DB=with_db, DZ_TMA=dz_tma, FINE_SLOPE=xs.dtype == torch.float32,
-            PERSISTENT=persistent, **meta)
+            PERSISTENT=persistent, SKIP=skip, **meta)
         if with_db:
             torch.sum(dbp, dim=0, out=db[v0:v1])
+
+    def products(v0, v1, dz, dw_rows, dx_acc, accumulate):
+        if skip:
+            hot_products(dz, xs, ws[v0:v1], dw_rows, dx_acc, accumulate, sp, cfg, v0, v1)
+        else:
+            _products(dz, xs, ws[v0:v1], dw_rows, dx_acc, accumulate)
 
     need_dz = need_dx or need_dw
     # cuBLAS's float32-reduction settings saved and restored once, not around each chunk's products (none without
     # a product: a bias gradient alone)
     with Fp32Reductions() if need_dz else contextlib.nullcontext():
         first = True
-        for v0, v1, dz_at, _ in first_pass_chunks(N, V, D, cfg, plan, False, need_dz, None):
+        for v0, v1, dz_at, _ in first_pass_chunks(N, V, D, cfg, plan, skip, need_dz, None):
             dz = None
             if dz_at is not None:
                 dz = dz_in_dw(dz_at, v1 - v0)
@@ -215,20 +237,22 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             dz_pass(v0, v1, dz, need_db)
             if need_dz:
                 dw_rows = dw[v0:v1] if need_dw and v1 <= plan.dw_end else None
-                _products(dz, xs, ws[v0:v1], dw_rows, plan.dx_acc, not first)
+                products(v0, v1, dz, dw_rows, plan.dx_acc, not first)
                 first = False
         if need_dx and plan.cast_dx:
             dx.copy_(plan.dx_acc)
         if need_dw and plan.dw_end < V:
             # The dW rows that held the dx accumulator: recomputed now that dx is final.
-            for v0, v1, in_dw in second_pass_chunks(N, V, D, xs.element_size(), cfg, plan.dw_end, False,
+            for v0, v1, in_dw in second_pass_chunks(N, V, D, xs.element_size(), cfg, plan.dw_end, skip,
                                                     ws_plan.scratch):
                 if in_dw:
                     dz = dz_in_dw(v1 * D, v1 - v0)
                 else:
                     dz = scratch_view(v1 - v0)
                 dz_pass(v0, v1, dz, False)
-                _products(dz, xs, ws[v0:v1], dw[v0:v1], None, False)
+                products(v0, v1, dz, dw[v0:v1], None, False)
+    if rows is not None and dx is not None:
+        dx = torch.empty_like(dx).index_copy_(0, rows, dx)
     return dx, dw, None if db is None else db.to(bs.dtype)
 
 
