@@ -12,8 +12,11 @@ from .._common import cdiv
 from .._tuning import current_tuning
 
 # The row-chunk plan's default budget: half of what the N x V logits take in bf16 (2 N V bytes, about
-# torch.compile's peak for this loss), so that it stays at most half of that peak.
+# torch.compile's peak for this loss), less room for the plan's other buffers (per-row statistics, the loss rows,
+# cuBLAS's workspace: about 1 MiB measured), so that the whole peak stays at most half of torch.compile's. Without
+# that room, chunks of exactly N / 2 rows peaked 1 MiB above the half (docs/design/row_chunks.md).
 ROW_CHUNK_LOGITS_DIVISOR = 2
+ROW_CHUNK_RESERVE = 4 << 20
 
 
 class RowChunkPlan(NamedTuple):
@@ -28,8 +31,8 @@ class RowChunkPlan(NamedTuple):
 
 
 def row_chunk_budget(N: int, V: int) -> int:
-    """The row-chunk plan's default budget in bytes: half of the bf16 N x V logits."""
-    return 2 * N * V // ROW_CHUNK_LOGITS_DIVISOR
+    """The row-chunk plan's default budget in bytes: half of the bf16 N x V logits, less ROW_CHUNK_RESERVE."""
+    return max(0, 2 * N * V // ROW_CHUNK_LOGITS_DIVISOR - ROW_CHUNK_RESERVE)
 
 
 def row_chunk_plan(N: int, V: int, D: int, dtype: torch.dtype, need_dw: bool, workspace_bytes: int | None
