@@ -1,22 +1,24 @@
 """A head that keeps its rows in decreasing softmax-mass order while it trains, with nothing asked of the user but
-one call at the start of each training forward.
+one call in each training forward (the targets, mapped).
 
 The skipping backward (`skip_threshold`) leaves out (token block, vocabulary tile) pairs whose mass is negligible,
 and finds most tiles cold when the rows are stored by mass (`VocabOrder`, docs/design/self_sorting.md).
 `SortedHead` learns that order from the training forwards' own hidden states and keeps the head stored in it:
 
-- `observe(hidden, target)` (inside a scheduled training forward): the softmax mass of each class over a sample of
-  at most `rows` rows, decayed across refreshes; the next order is its argsort, on the device.
-- `prepare()` (at the start of a training forward, before anything reads the head): a pending order is applied in
-  place to the weight, the bias, their gradients (accumulated across forwards) and the position table; the
-  optimizer's state follows at its next step.
+- `targets(hidden, target)` (in every training forward): the targets as stored positions, and a copy of at most
+  `rows` rows of `hidden` (strided) kept in a buffer of the head's own. Tensor ops only, no host value read: under
+  `torch.compile` it is part of the graph (no graph break, no guard on the schedule).
+- After each step of an optimizer that updates the head (a global step post-hook; `after_step()` for loops without a
+  torch optimizer), on the schedule: the softmax mass of each class over the kept sample, decayed across refreshes;
+  its argsort is the new order, applied at once, in place, to the weight, the bias, their gradients and the position
+  table. The rows move between steps, where no graph holds them; the optimizer's state follows at its next step.
 - Everything outside sees class order: targets and input ids are mapped to positions (`map_ids`, and a pre-hook on
   a tied input embedding), the state_dict of the module given is unsorted, a state_dict loaded into it is sorted,
   and an optimizer's state_dict is in class order (hooks on every optimizer that steps one of these parameters).
 - `restore()` puts everything back in class order and removes every hook.
 
-Nothing here synchronises with the device: the schedule counts forwards on the host, and an order is applied by
-index_select/copy_ whatever its values.
+Nothing here synchronises with the device: the schedule counts optimizer steps on the host, and an order is applied
+by index_select/copy_ whatever its values.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .vocab import VocabOrder
 
 __all__ = ["SortedHead"]
 
-# A new order is computed in these training forwards, then in every REFRESH_EVERY-th, and applied at the start of
-# the next one: early while the model's distribution moves, rarely once it has settled.
+# A new order is computed and applied after these optimizer steps, then after every REFRESH_EVERY-th: early while
+# the model's distribution moves, rarely once it has settled.
 REFRESH_AT = (1, 16, 32, 64, 128, 256, 512, 1024)
 REFRESH_EVERY = 1024
 SAMPLE_ROWS = 1024
@@ -44,7 +46,7 @@ _BLOCK = 1 << 24  # logits per block of the mass pass (64 MiB in float32), never
 # Parameter -> a weak reference to the SortedHead that stores it, read by the optimizer step pre-hook. Weak both
 # ways (the head holds the parameter): a model dropped without unpatch is freed with its head.
 _HEADS = WeakIdKeyDictionary()  # keyed by identity: tensors compare elementwise
-_STEP_HOOK = None
+_STEP_HOOKS = None
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
@@ -55,17 +57,28 @@ def _before_optimizer_step(optimizer, args, kwargs):
             head._sync_state(optimizer, p)
 
 
+def _after_optimizer_step(optimizer, args, kwargs):
+    """Global step post-hook: each head whose weight this optimizer updates counts a step (and refreshes on its
+    schedule)."""
+    for p, ref in list(_HEADS.items()):
+        head = ref()
+        if head is not None and p is head.weight and head._updated_by(optimizer):
+            head.after_step()
+
+
 def _install_step_hook():
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+    global _STEP_HOOKS
+    if _STEP_HOOKS is None:
+        _STEP_HOOKS = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                       register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def _remove_step_hook_if_unused():
-    global _STEP_HOOK
-    if _STEP_HOOK is not None and not len(_HEADS):
-        _STEP_HOOK.remove()
-        _STEP_HOOK = None
+    global _STEP_HOOKS
+    if _STEP_HOOKS is not None and not len(_HEADS):
+        for h in _STEP_HOOKS:
+            h.remove()
+        _STEP_HOOKS = None
 
 
 class SortedHead:
@@ -79,21 +92,24 @@ class SortedHead:
             that holds ``weight`` (a tied input embedding; any submodule but an ``nn.Linear`` holding it as its
             ``weight``) gets its input ids mapped to positions by a forward pre-hook.
         order: a fixed :class:`VocabOrder`, applied now and never changed; None learns the order.
-        rows: hidden-state rows sampled per refresh.
-        refresh_at, refresh_every: the schedule in training forwards (counted by ``observe``); default
+        rows: hidden-state rows kept from each training forward (a float32 (rows, D) buffer) for the next refresh.
+        refresh_at, refresh_every: the schedule in optimizer steps (counted by ``after_step``); default
             ``REFRESH_AT`` and ``REFRESH_EVERY``.
         decay: weight of the mass of earlier refreshes in the next order.
+        softcap, bias_scale: the logits the loss sees are ``softcap(hidden W^T + bias_scale * bias)`` for the
+            ``hidden`` given to ``targets`` (None: no cap).
 
     Each refresh costs one pass over the sample (2 x rows x V x D FLOPs, in blocks of at most 2**24 logits), and
     each applied order one V x D permutation of the weight, of its gradient if present, and of each optimizer
-    state tensor shaped like it (at that optimizer's next step). An order is applied by ``prepare``, which must run
-    after the backward of every earlier forward that used the head (the usual loop, gradient accumulation
+    state tensor shaped like it (at that optimizer's next step). An order is applied after an optimizer step, so
+    every loss computed before it must have been backpropagated by then (the usual loop, gradient accumulation
     included): a loss whose backward is still to come was computed in the order before.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, module: nn.Module | None = None,
                  order: VocabOrder | None = None, rows: int = SAMPLE_ROWS, refresh_at=None,
-                 refresh_every: int | None = None, decay: float = DECAY):
+                 refresh_every: int | None = None, decay: float = DECAY, softcap: float | None = None,
+                 bias_scale: float = 1.0):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise TypeError(f"weight must be a (V, D) tensor, got {type(weight).__name__}"
                             + (f" of shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else ""))
@@ -115,6 +131,7 @@ class SortedHead:
         self.weight, self.bias = weight, bias
         self.learn = order is None
         self.rows, self.decay = rows, float(decay)
+        self.softcap, self.bias_scale = softcap, float(bias_scale)
         self.refresh_at = frozenset(REFRESH_AT if refresh_at is None else refresh_at)
         self.refresh_every = REFRESH_EVERY if refresh_every is None else int(refresh_every)
         device = weight.device
@@ -124,9 +141,12 @@ class SortedHead:
         self.order = object.__new__(VocabOrder)  # a view of the live tables, for VocabOrder's methods
         self.order.ids, self.order.positions = self.ids, self.positions
         self.version = 0  # orders applied; 0 is class order
-        self.forwards = 0
+        self.steps = 0  # optimizer steps counted by after_step
         self._mass = None
-        self._pending = None
+        # The last training forward's sample (targets' copy): float32 rows and, per row, 1 where the loss counts it.
+        n = rows if self.learn else 0
+        self._sample = torch.zeros(n, weight.shape[1], dtype=torch.float32, device=device)
+        self._sample_valid = torch.zeros(n, dtype=torch.float32, device=device)
         self._restored = False
         self._handles = []
         self._pin_class = None  # a tied embedding's padding_idx, whose row its backward leaves out
@@ -140,7 +160,7 @@ class SortedHead:
     # ------------------------------------------------------------------ copies (deepcopy, pickle)
     def __getstate__(self):
         state = dict(self.__dict__)
-        for k in ("_marks", "_opt_handles", "_snapshot"):  # tied to optimizers of the original
+        for k in ("_marks", "_updates", "_opt_handles", "_snapshot"):  # tied to optimizers of the original
             state.pop(k)
         return state
 
@@ -153,6 +173,7 @@ class SortedHead:
     def _init_optimizer_tracking(self):
         # optimizer -> {param: (version, positions)}: the order its state for that param is in (absent: class order)
         self._marks = weakref.WeakKeyDictionary()
+        self._updates = weakref.WeakKeyDictionary()  # optimizer -> whether it updates the weight
         self._opt_handles = []
         self._snapshot = None
 
@@ -165,40 +186,52 @@ class SortedHead:
         _install_step_hook()
 
     # ------------------------------------------------------------------ what the training loop calls
-    @torch.compiler.disable
-    def prepare(self) -> None:
-        """At the start of a training forward: apply the order computed by the last refresh, if any."""
-        if self._pending is not None and not self._restored:
-            pending, self._pending = self._pending, None
-            self._apply(pending)
+    def targets(self, hidden: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+        """``target`` mapped to stored positions, for the loss; keeps a strided sample of ``hidden`` (as the loss
+        multiplies it with the weight: (..., D)) and of which of its rows the loss counts (target not
+        ``ignore_index``, within the vocabulary) for the next refresh. Tensor ops whatever the values: inside a
+        compiled graph it stays in the graph."""
+        if self.learn and not self._restored:
+            self._keep(hidden, target, ignore_index)
+        return self.map_ids(target)
 
-    @torch.compiler.disable
-    def observe(self, hidden: torch.Tensor, target: torch.Tensor | None = None, *,
-                linear_bias: torch.Tensor | None = None, softcap: float | None = None,
-                ignore_index: int = -100) -> None:
-        """Count a training forward; on the schedule, compute the next order from a sample of ``hidden`` (as the
-        loss multiplies it with the weight: (..., D)), the rows whose ``target`` is not ``ignore_index``, with
-        ``linear_bias`` as the loss adds it (None: the head's bias) and ``softcap``. Applied by the next
-        ``prepare``."""
+    @torch.no_grad()
+    def _keep(self, hidden, target, ignore_index) -> None:
+        D = self._sample.shape[1]
+        x = hidden.detach().reshape(-1, D)
+        stride = max(1, -(-x.shape[0] // self.rows))
+        x = x[::stride]
+        n = x.shape[0]
+        t = target.detach().reshape(-1)[::stride].to(x.device)
+        self._sample[:n].copy_(x)
+        self._sample_valid[:n].copy_((t != ignore_index) & (t >= 0) & (t < self.weight.shape[0]))
+        if n < self.rows:
+            self._sample_valid[n:].zero_()
+
+    def after_step(self) -> None:
+        """Count an optimizer step; on the schedule, compute a new order from the last kept sample and apply it.
+        Called by a global optimizer step post-hook for every torch optimizer that updates the weight; a loop that
+        updates the head otherwise calls it after each update."""
         if not self.learn or self._restored:
             return
-        self.forwards += 1
-        n = self.forwards
+        self.steps += 1
+        n = self.steps
         if n not in self.refresh_at and not (n > max(self.refresh_at, default=0) and n % self.refresh_every == 0):
             return
-        mass = self._mass_of(hidden, target, self.bias if linear_bias is None else linear_bias, softcap,
-                             ignore_index)
+        mass = self._mass_of()
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             # Data-parallel replicas must store the same order: their gradients are summed row by row.
             torch.distributed.all_reduce(mass)
         self._mass = mass if self._mass is None else self._mass.mul_(self.decay).add_(mass)
-        self._pending = self._pinned(torch.argsort(self._mass, descending=True, stable=True))
+        self._apply(self._pinned(torch.argsort(self._mass, descending=True, stable=True)))
 
-    def targets(self, hidden: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``observe(hidden, target, **kwargs)``, then ``target`` mapped to stored positions, for the loss."""
-        self.observe(hidden, target, **kwargs)
-        return self.map_ids(target)
+    def _updated_by(self, optimizer) -> bool:
+        known = self._updates.get(optimizer)
+        if known is None:
+            known = self._updates[optimizer] = any(q is self.weight for g in optimizer.param_groups
+                                                   for q in g["params"])
+        return known
 
     def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Class ids (targets, input ids of a tied embedding) to their stored positions; others left as they are."""
@@ -210,27 +243,20 @@ class SortedHead:
 
     # ------------------------------------------------------------------ the order
     @torch.no_grad()
-    def _mass_of(self, hidden, target, bias, softcap, ignore_index) -> torch.Tensor:
-        """Softmax mass per class (float64, class order), averaged over the sampled rows the loss counts."""
+    def _mass_of(self) -> torch.Tensor:
+        """Softmax mass per class (float64, class order), averaged over the kept sample's rows the loss counts."""
         w = self.weight.detach()
         V, D = w.shape
-        x = hidden.detach().reshape(-1, D)
-        stride = max(1, -(-x.shape[0] // self.rows))
-        x = x[::stride]
-        if target is None:
-            valid = torch.ones(x.shape[0], device=x.device)
-        else:
-            t = target.detach().reshape(-1)[::stride].to(x.device)
-            valid = ((t != ignore_index) & (t >= 0) & (t < V)).float()
-        b = None if bias is None else bias.detach().float()
+        x, valid = self._sample, self._sample_valid
+        b = None if self.bias is None else self.bias.detach().float() * self.bias_scale
         mass = torch.zeros(V, dtype=torch.float64, device=w.device)
         block = max(1, _BLOCK // V)
         for i in range(0, x.shape[0], block):
             z = (x[i:i + block].to(w.dtype) @ w.T).float()
             if b is not None:
                 z += b
-            if softcap is not None:
-                z = softcap * torch.tanh(z / softcap)
+            if self.softcap is not None:
+                z = self.softcap * torch.tanh(z / self.softcap)
             mass += (valid[i:i + block] @ torch.softmax(z, dim=1)).double()
         mass /= valid.sum().clamp(min=1)
         return mass.index_select(0, self.positions)  # stored order to class order
@@ -274,7 +300,7 @@ class SortedHead:
         for h in (*self._handles, *self._opt_handles):
             h.remove()
         self._handles, self._opt_handles = [], []
-        self._pending, self._restored = None, True
+        self._restored = True
         for p in self._params():
             if p in _HEADS and _HEADS[p]() is self:
                 del _HEADS[p]

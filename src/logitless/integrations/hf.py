@@ -72,6 +72,7 @@ class _Plan:
     transform_rules: tuple[heads.Rule, ...]
     checks_router_logits: bool
     output_cls: type
+    output_fields: tuple[str, ...]  # output_cls's fields the backbone's output passes on (all but loss, logits)
     options: dict
     # The head stored in a vocabulary order (learned or fixed), None in class order; restored by unpatch.
     sorter: SortedHead | None = None
@@ -168,7 +169,8 @@ def _make_plan(model: nn.Module, options: dict) -> _Plan:
         backbone_return_dict=backbone_return_dict,
         transform_rules=transform_rules,
         checks_router_logits=src is None or "output_router_logits" in src,
-        output_cls=_output_class(model.forward),
+        output_cls=(cls := _output_class(model.forward)),
+        output_fields=tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("loss", "logits")),
         options=options,
     )
 
@@ -203,8 +205,6 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         )
 
     sorter = plan.sorter
-    if sorter is not None:
-        sorter.prepare()  # before the backbone: a tied embedding reads the rows too
     backbone = _find_backbone(model)
     if plan.backbone_return_dict:
         call["return_dict"] = True
@@ -232,7 +232,7 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
 
     x, bias, softcap = heads.transform_of(config, plan.transform_rules).for_loss(x, head.bias)
     if sorter is not None:
-        target = sorter.targets(x, target, linear_bias=bias, softcap=softcap, ignore_index=ignore_index)
+        target = sorter.targets(x, target, ignore_index=ignore_index)
 
     lce = functools.partial(
         linear_cross_entropy, reduction="mean" if num_items is None else "sum", ignore_index=ignore_index,
@@ -255,11 +255,8 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
             num_items = num_items.to(loss.device)
         loss = loss / num_items
 
-    passed = {
-        f.name: getattr(out, f.name, None)
-        for f in dataclasses.fields(plan.output_cls)
-        if f.name not in ("loss", "logits") and not isinstance(out, tuple)
-    }
+    # Field names worked out at patch time: dataclasses.fields() here would break a compiled graph.
+    passed = {} if isinstance(out, tuple) else {name: getattr(out, name, None) for name in plan.output_fields}
     result = plan.output_cls(loss=loss, logits=None, **passed)
     if return_dict is None:
         return_dict = getattr(config, "return_dict", True)
@@ -407,4 +404,8 @@ def _store_in_order(model: nn.Module, plan: _Plan, order: VocabOrder | None) -> 
     head = _find_head(model)
     if order is not None and len(order) != head.weight.shape[0]:
         raise ValueError(f"logitless.patch: vocab_order has {len(order)} classes, the head {head.weight.shape[0]}")
-    plan.sorter = SortedHead(head.weight, head.bias, module=model, order=order)
+    # The sample the sorter keeps is the loss's input: hidden states already scaled; the bias and the cap as the
+    # loss applies them.
+    transform = heads.transform_of(model.config, plan.transform_rules)
+    plan.sorter = SortedHead(head.weight, head.bias, module=model, order=order, softcap=transform.softcap,
+                             bias_scale=transform.logit_scale)
