@@ -105,7 +105,8 @@ def run_shape(shape: str, versions: dict, rounds: int, reps: int, cases=("logp",
         if first is None:
             first = got
         else:  # each version against A
-            out[f"diff {name}"] = {k: rel_diff(u, v) for k, u, v in zip(("logp", "loss", "dx", "dw"), first, got, strict=False)}
+            names = ("logp", "loss", "dx", "dw")
+            out[f"diff {name}"] = {k: rel_diff(u, v) for k, u, v in zip(names, first, got, strict=False)}
         del got
     del first
     steps = [c for c in (("logp", logp), ("fwd", fwd), ("fwdbwd", fwdbwd)) if c[0] in cases]
