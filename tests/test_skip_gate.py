@@ -188,3 +188,14 @@ def test_log_probs_with_entropy_skip_within_the_rule(plans, tune):
     (rx, rw), (px, pw) = outs
     assert_within_rule("d_input", xg.grad, px, rx)
     assert_within_rule("d_weight", wg.grad, pw, rw)
+
+
+def test_a_fresh_cast_of_the_weight_is_the_same_head():
+    # Under autocast the head is handed a new cast of its weight at every call, wherever the allocator puts it: the
+    # record follows the head (shape, dtype, device), so the second call probes as it would with one tensor.
+    w = torch.randn(64, 8)
+    first, second = w.bfloat16(), w.bfloat16()
+    assert first.data_ptr() != second.data_ptr()
+    assert skip_gate.decide(first, 0.3) is False  # the first call of a head runs dense
+    assert skip_gate.decide(second, 0.3) is True  # the second probes
+    assert skip_gate.state(w, torch.bfloat16) == "dense" and skip_gate.state(w) is None

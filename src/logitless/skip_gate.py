@@ -4,7 +4,9 @@ The skipping backward (skip_threshold="auto", the default) pays where a trained 
 cold, and costs where nothing is cold (a head at initialisation, a flat softmax): there it gives up the dense
 plans' stash, row chunks and cuBLAS products for Triton products over a plan that skips nothing
 (docs/design/skipping.md). Which one a call faces is a property of the data, known only on the device after the
-forward. So each head (its weight's storage, shape and dtype) keeps a small record here:
+forward. So each head keeps a small record here, known by its weight's shape, dtype and device (not its storage:
+under autocast the head gets a fresh cast of its weight at every call, wherever the allocator puts it; two heads of
+one shape that both train share a record, which only merges their measurements):
 
 - a call asks ``decide(weight)`` on the host, before its forward (under torch.compile, in the backward op, where
   the host code runs at every call and a decision never reaches the compiled graph);
@@ -65,8 +67,8 @@ _records: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
 
 
-def _key(weight: torch.Tensor):
-    return (weight.device, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+def _key(weight: torch.Tensor, dtype: torch.dtype | None = None):
+    return (weight.device, tuple(weight.shape), dtype or weight.dtype)
 
 
 def _capturing(weight: torch.Tensor) -> bool:
@@ -119,22 +121,23 @@ def observe(weight: torch.Tensor, hot: torch.Tensor) -> None:
         rec.pending, rec.event = host, event
 
 
-def state(weight: torch.Tensor) -> str | None:
-    """"skip", "dense" or None (never seen) for the head of `weight`, after reading any finished measurement:
-    for tests and tools (on the GPU, a measurement still in flight is not waited for)."""
+def state(weight: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """"skip", "dense" or None (never seen) for the head of `weight` (run in `dtype`, e.g. autocast's; None: the
+    weight's own), after reading any finished measurement: for tests and tools (on the GPU, a measurement still in
+    flight is not waited for)."""
     with _lock:
-        rec = _records.get(_key(weight))
+        rec = _records.get(_key(weight, dtype))
         if rec is None:
             return None
         rec.poll()
         return "skip" if rec.skip else "dense"
 
 
-def last_share(weight: torch.Tensor) -> float | None:
+def last_share(weight: torch.Tensor, dtype: torch.dtype | None = None) -> float | None:
     """The skipped share of the head's last plan that has been read (after state()'s poll), or None: for the
     benchmarks' tables."""
     with _lock:
-        rec = _records.get(_key(weight))
+        rec = _records.get(_key(weight, dtype))
         if rec is None:
             return None
         rec.poll()

@@ -177,7 +177,9 @@ def train(spec: dict) -> dict:
         head = lm.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if weight is not None:
-            rec["skip_state"], rec["skipped"] = skip_gate.state(weight), skip_gate.last_share(weight)
+            run_dtype = dtype if autocast else None  # the head runs on autocast's cast of its weight
+            rec["skip_state"] = skip_gate.state(weight, run_dtype)
+            rec["skipped"] = skip_gate.last_share(weight, run_dtype)
     if spec.get("profile") and cuda:
         from .finetune_profile import profile
 
