@@ -30,17 +30,18 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, skip_gate, torch_backend
+from . import _validate, loss_math, shards, skip_gate, torch_backend
 from ._dispatch import resolve_backend
-from ._validate import is_compiling
+from ._validate import HeadArgs, is_compiling
 from .kernels import current_tuning
 from .loss_math import Stats
 from .torch_backend import cross_entropy as torch_cross_entropy
 from .torch_backend import two_heads as torch_two_heads
 
 __all__ = ["HALF_SKIP_THRESHOLD", "FusedPlan", "Skip", "Stats", "choose_backend", "class_counts",
-           "fused_cross_entropy", "fused_plan", "logits_cross_entropy", "one_class_logits", "resolve_skip",
-           "running_class_counts", "stats", "two_heads_loss"]
+           "fused_cross_entropy", "fused_plan", "linear_cross_entropy", "linear_log_probs", "linear_logsumexp",
+           "logits_cross_entropy", "one_class_logits", "resolve_skip", "running_class_counts", "stats",
+           "two_heads_loss"]
 
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
@@ -68,6 +69,104 @@ class Skip(NamedTuple):
 
 
 NO_SKIP = Skip()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The public ops' calls: one per loss, on a prepared head (_validate.linear_head), whatever its backend, its size
+# (one class: a closed form), its plan (fused, or the statistics) and its sharding (the statistics of the shard,
+# exchanged: shards.exchange).
+
+
+def linear_cross_entropy(h: HeadArgs, reduction, ignore_index, label_smoothing, z_loss, softcap, *, backend: str,
+                         skip: Skip, workspace_bytes) -> torch.Tensor:
+    """logitless.linear_cross_entropy's loss on a prepared head: the one-class closed form, a fused plan, or the
+    statistics (of the whole vocabulary where the head is sharded) and loss_math's cross-entropy on them."""
+    chosen = choose_backend(backend, h.x, "linear_cross_entropy")
+    acc = loss_math.acc_dtype(h.x.dtype)
+    class_w = None if h.class_weight is None else h.class_weight.to(acc)
+    if h.shard is None and h.vocab == 1:
+        # One class: lse = z, so the cross-entropy and the smoothing are exactly 0 and the z-loss is z^2; a closed
+        # form gives PyTorch's exact zeros (one_class_logits, float64), on either backend. Those zeros are weighted
+        # by w_t, as PyTorch's are, so their gradient is w_t times the upstream one: 0, or NaN where a "mean" over
+        # class weights that sum to 0 makes the upstream gradient infinite (PyTorch's NaN, not the z-loss term's inf
+        # alone). z - z is that zero with that gradient.
+        z = one_class_logits(h.x, h.weight, h.bias, softcap, 1.0)
+        valid, w_t, _ = loss_math.ce_row_terms(h.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
+        per_token = w_t * (z - z)
+        if z_loss > 0.0:
+            per_token = per_token + float(z_loss) * z * z
+        loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, h.lead_shape)
+        return loss.to(acc)
+    if h.shard is None:
+        # The dense plan of this call: for a reduced loss whose gradient is wanted, the gradients in the forward
+        # where the backend's plan finds room (fused_plan). Whether skipping cold tiles pays (Triton only) is judged
+        # against it.
+        fused = fused_plan(h.x, h.weight, h.bias, softcap, reduction, chosen, workspace_bytes)
+        skip = resolve_skip(skip, h.x, h.weight, h.bias, chosen, dense_row_chunks=fused is not None)
+        if fused is not None and skip.threshold is None:
+            return fused_cross_entropy(fused, h.x, h.weight, h.bias, h.target, class_w, reduction, ignore_index,
+                                       label_smoothing, z_loss, softcap)
+    st, w_t, w_sum = _head_stats(h, class_w, softcap, 1.0, label_smoothing > 0.0, False, backend=chosen, skip=skip,
+                                 ignore_index=ignore_index, workspace_bytes=workspace_bytes,
+                                 want_lse=loss_math.z_loss_apart(z_loss, h.x, h.weight))
+    if h.shard is None:
+        valid, w_t, w_sum = loss_math.ce_row_terms(h.target, class_w, ignore_index, label_smoothing, h.vocab,
+                                                   st.m.dtype)
+    else:
+        valid = h.target != ignore_index
+        w_t = valid.to(st.m.dtype) if w_t is None else torch.where(valid, w_t, 0.0)
+    per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum, label_smoothing,
+                                             z_loss, h.vocab, lse=st.lse)
+    return loss_math.reduce_loss(per_token, valid, w_t, reduction, h.lead_shape)
+
+
+def linear_log_probs(h: HeadArgs, ignore_index, softcap, inv_temp, want_entropy: bool, *, backend: str, skip: Skip,
+                     workspace_bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs of the targets, entropy or None), of the lead shape, 0 where ignored, on a prepared head."""
+    chosen = choose_backend(backend, h.x, "linear_log_probs")
+    valid = h.target != ignore_index
+    if h.shard is None and h.vocab == 1:
+        # One class: log 1 = 0 and no entropy, exactly (one_class_logits), on either backend.
+        z = one_class_logits(h.x, h.weight, h.bias, softcap, inv_temp)
+        logp = torch.where(valid, z * 0.0, 0.0).reshape(h.lead_shape).to(loss_math.acc_dtype(h.x.dtype))
+        return logp, (logp.clone() if want_entropy else None)
+    st, _, _ = _head_stats(h, None, softcap, inv_temp, False, want_entropy, backend=chosen, skip=skip,
+                           ignore_index=ignore_index, workspace_bytes=workspace_bytes)
+    logp, ent = loss_math.log_probs_from_stats(st, valid)
+    return logp.reshape(h.lead_shape), (None if ent is None else ent.reshape(h.lead_shape))
+
+
+def linear_logsumexp(h: HeadArgs, softcap, inv_temp, *, backend: str, workspace_bytes) -> torch.Tensor:
+    """The per-row log-sum-exp of the lead shape on a prepared head."""
+    chosen = choose_backend(backend, h.x, "linear_logsumexp")
+    if h.shard is None and h.vocab == 1:  # one class: lse = z, exactly
+        z = one_class_logits(h.x, h.weight, h.bias, softcap, inv_temp)
+        return z.reshape(h.lead_shape).to(loss_math.acc_dtype(h.x.dtype))
+    st, _, _ = _head_stats(h, None, softcap, inv_temp, False, False, backend=chosen, skip=NO_SKIP, ignore_index=-100,
+                           workspace_bytes=workspace_bytes)
+    return (st.m + st.logs).reshape(h.lead_shape)
+
+
+def _head_stats(h: HeadArgs, class_w, softcap, inv_temp, want_smooth, want_entropy, *, backend: str, skip: Skip,
+                ignore_index: int, workspace_bytes, want_lse: bool = False):
+    """(Stats, the target's class weight, the sum of the class weights) of the whole vocabulary: stats() on the
+    head, and where it is sharded, on the shard with its targets shifted by its first row (a target outside [0,
+    V_r) is in another shard, or ignored: no target logit here), exchanged (shards.exchange; the two weights come
+    from there, None otherwise)."""
+    if h.shard is None:
+        st = stats(h.x, h.weight, h.bias, h.target, class_w, softcap, inv_temp, want_smooth, want_entropy,
+                   backend=backend, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
+                   want_lse=want_lse)
+        return st, None, None
+    x = h.x
+    if backend == "torch":
+        # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one rounding.
+        x = x.to(loss_math.acc_dtype(x.dtype))
+    x = shards.sum_grad_over_group(x, h.shard.group)
+    t_local = None if h.target is None else torch.where(h.target != ignore_index, h.target - h.shard.start, -1)
+    st = stats(x, h.weight, h.bias, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
+               skip=skip, ignore_index=-1, workspace_bytes=workspace_bytes, want_lse=want_lse)
+    return shards.exchange(st, t_local, class_w, want_smooth, h.weight.shape[0], h.shard.group)
 
 
 def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
