@@ -21,14 +21,15 @@ import logitless
 # Lowest first. A module's layer is that of its top-level name (logitless.kernels.linear_head: "kernels"); a module
 # may import its own layer and those below.
 LAYERS = (
-    ("_validate", "_autograd", "_dispatch", "shards", "testing", "vocab", "sorted_head"),  # checks, autograd hygiene,
-    # a vocabulary shard's layout and collectives, oracles, a vocabulary's stored order, and the head that keeps it
+    ("_autograd", "_dispatch", "shards", "testing", "vocab", "sorted_head"),  # autograd hygiene, what runs where, a
+    # vocabulary shard's layout and collectives, oracles, a vocabulary's stored order, and the head that keeps it
     # learned
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
     ("triton_backend", "triton_two_heads", "triton_cross_entropy", "skip_gate"),  # the kernels as torch.library
     # ops; whether skipping pays
     ("head",),  # the head op: backend choice, skip plan, sharding, one call per loss
+    ("_validate",),  # the checks, and the prepared head they give the head op
     ("linear_cross_entropy", "log_probs", "cross_entropy", "distill"),  # public ops
     ("nn", "distributed", "integrations", "apps", ""),  # modules, the public ops with a vocabulary layout given,
     # integrations, the commands; "": __init__

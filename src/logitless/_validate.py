@@ -1,46 +1,26 @@
 """One place that checks shapes, dtypes, devices and options, and raises errors that name the problem.
 
-Every public function calls into here before dispatching, so a bad argument never reaches a kernel. Checks that
-would need the values of a device tensor (targets out of range) never synchronise with the host: on CPU they raise
-at once, on other devices they go through a device-side assertion that fires by the next synchronisation.
+Every public function calls into here before the head op, so a bad argument never reaches a kernel; linear_head
+prepares the head that the head op takes (head.HeadArgs), its sharding included, so this module stands above the
+head op. Checks that would need the values of a device tensor (targets out of range) never synchronise with the
+host: on CPU they raise at once, on other devices they go through a device-side assertion that fires by the next
+synchronisation.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
 
 import torch
 
 from . import shards
+from ._dispatch import is_compiling
+from .head import HeadArgs
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# float64 runs on the PyTorch path only (in float64 math); the Triton kernels take the first three.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 REDUCTIONS = ("mean", "sum", "none")
 VOCAB_ORDERS = ("batch", "none")
-
-
-class HeadArgs(NamedTuple):
-    """A prepared linear head, the head op's input: validated, flattened arguments, `x` (N, D), `target` (N,) int64
-    (global class ids) or None, the class weights or None. `vocab` is the number of classes; with `shard` (a
-    vocabulary-parallel head: shards.Shard), `weight`, `bias` and `class_weight` are this rank's rows and `vocab`
-    is all shards' (an int, or a 0-d device tensor where the shard sizes were exchanged between GPUs)."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    target: torch.Tensor | None
-    lead_shape: torch.Size
-    class_weight: torch.Tensor | None = None
-    vocab: int | torch.Tensor = 0
-    shard: shards.Shard | None = None
-
-
-def is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _check_float_tensor(name: str, t, allow_dtypes=FLOAT_DTYPES) -> None:
@@ -311,14 +291,3 @@ def check_workspace(workspace_bytes) -> None:
         raise TypeError(f"workspace_bytes must be None or a Python int (bytes), got {type(workspace_bytes).__name__}")
     if not 0 <= workspace_bytes < 1 << 63:
         raise ValueError(f"workspace_bytes must be in [0, 2**63), got {workspace_bytes}")
-
-
-def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
-    """True when the Triton kernels take this dtype; float64 raises for an explicit backend="triton" and falls back
-    to the PyTorch path under "auto"."""
-    if x.dtype in KERNEL_DTYPES:
-        return True
-    if backend == "triton":
-        raise TypeError(f"backend='triton' takes float32, bfloat16 or float16 inputs, got {x.dtype}; "
-                        "use backend='torch' for float64")
-    return False

@@ -30,9 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, loss_math, shards, skip_gate, torch_backend
-from ._dispatch import resolve_backend
-from ._validate import HeadArgs, is_compiling
+from . import loss_math, shards, skip_gate, torch_backend
+from ._dispatch import KERNEL_DTYPES, check_kernel_dtype, is_compiling, resolve_backend
 from .kernels import current_tuning
 from .loss_math import Stats
 from .torch_backend import cross_entropy as torch_cross_entropy
@@ -69,6 +68,22 @@ class Skip(NamedTuple):
 
 
 NO_SKIP = Skip()
+
+
+class HeadArgs(NamedTuple):
+    """A prepared linear head, the head op's input: validated, flattened arguments, `x` (N, D), `target` (N,) int64
+    (global class ids) or None, the class weights or None. `vocab` is the number of classes; with `shard` (a
+    vocabulary-parallel head: shards.Shard), `weight`, `bias` and `class_weight` are this rank's rows and `vocab`
+    is all shards' (an int, or a 0-d device tensor where the shard sizes were exchanged between GPUs)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor | None
+    lead_shape: torch.Size
+    class_weight: torch.Tensor | None = None
+    vocab: int | torch.Tensor = 0
+    shard: shards.Shard | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,27 +168,28 @@ def _head_stats(h: HeadArgs, class_w, softcap, inv_temp, want_smooth, want_entro
     head, and where it is sharded, on the shard with its targets shifted by its first row (a target outside [0,
     V_r) is in another shard, or ignored: no target logit here), exchanged (shards.exchange; the two weights come
     from there, None otherwise)."""
+    x, target = h.x, h.target
+    if h.shard is not None:
+        if backend == "torch":
+            # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one
+            # rounding.
+            x = x.to(loss_math.acc_dtype(x.dtype))
+        x = shards.sum_grad_over_group(x, h.shard.group)
+        if target is not None:
+            target = torch.where(target != ignore_index, target - h.shard.start, -1)
+        ignore_index = -1
+    st = stats(x, h.weight, h.bias, target, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
+               skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes, want_lse=want_lse)
     if h.shard is None:
-        st = stats(h.x, h.weight, h.bias, h.target, class_w, softcap, inv_temp, want_smooth, want_entropy,
-                   backend=backend, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
-                   want_lse=want_lse)
         return st, None, None
-    x = h.x
-    if backend == "torch":
-        # The PyTorch backend returns dx in x's dtype: upcast, the shards' parts are summed before the one rounding.
-        x = x.to(loss_math.acc_dtype(x.dtype))
-    x = shards.sum_grad_over_group(x, h.shard.group)
-    t_local = None if h.target is None else torch.where(h.target != ignore_index, h.target - h.shard.start, -1)
-    st = stats(x, h.weight, h.bias, t_local, class_w, softcap, inv_temp, want_smooth, want_entropy, backend=backend,
-               skip=skip, ignore_index=-1, workspace_bytes=workspace_bytes, want_lse=want_lse)
-    return shards.exchange(st, t_local, class_w, want_smooth, h.weight.shape[0], h.shard.group)
+    return shards.exchange(st, target, class_w, want_smooth, h.weight.shape[0], h.shard.group)
 
 
 def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
     """"triton" or "torch" for running `op` on x: _dispatch's choice, and float64 (which has no kernels) on the
     PyTorch path under "auto" (a TypeError for an explicit backend="triton")."""
     chosen = resolve_backend(backend, x.device, op)
-    if chosen == "triton" and not _validate.check_kernel_dtype(x, backend):
+    if chosen == "triton" and not check_kernel_dtype(x, backend):
         return "torch"
     return chosen
 
@@ -297,7 +313,7 @@ def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore
     dispatcher says; float64 under "auto", and a one-class head, on the PyTorch path. Each backend reduces the loss
     itself: the Triton form's in-place gradient is that of the reduced loss."""
     chosen = resolve_backend(backend, logits2d.device, "cross_entropy")
-    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
+    if chosen == "triton" and backend == "auto" and logits2d.dtype not in KERNEL_DTYPES:
         chosen = "torch"  # float64 has no kernels
     if logits2d.shape[1] == 1:
         # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an

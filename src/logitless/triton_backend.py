@@ -15,7 +15,7 @@ import torch
 
 from . import skip_gate
 from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
-from ._validate import is_compiling
+from ._dispatch import is_compiling
 from .kernels import current_tuning, new_buffer
 from .kernels.cross_entropy import scale_rows_
 from .kernels.linear_head import backward, forward_stats, skip_supported, stash_layout, tile_grid, vocab_order

@@ -20,7 +20,7 @@ def fused_rows(x, w, b, softcap, reduction) -> int:
     (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
     when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
     the gradients until the backward) and the products' own buffers (blocks.budget_beside_products)."""
-    from .._validate import is_compiling
+    from .._dispatch import is_compiling
 
     n, D = x.shape
     V = w.shape[0]
