@@ -13,9 +13,10 @@ import operator
 
 import torch
 
-from . import shards
+from . import head, shards
 from ._dispatch import is_compiling
 from .head import HeadArgs
+from .loss_math import acc_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -201,21 +202,25 @@ def check_linear(input, linear_weight, linear_bias) -> tuple[torch.Tensor, torch
     return input.reshape(lead_shape.numel(), D), lead_shape  # -1 cannot be inferred when D == 0
 
 
-def linear_head(input, linear_weight, target, linear_bias, ignore_index, weight=None,
-                process_group=None) -> HeadArgs:
-    """The prepared head of a public op: its arguments checked and flattened (weight: the class weights, or None);
-    with a process_group (or a shards.Sharding), the vocabulary-parallel head, sharding included."""
+def linear_head(input, linear_weight, target, linear_bias, ignore_index, *, weight=None, process_group=None,
+                backend: str = "auto", op: str) -> HeadArgs:
+    """The prepared head of the public op `op`: its arguments checked and flattened (weight: the class weights, or
+    None) and its backend chosen (head.choose_backend); with a process_group (or a shards.Sharding), the
+    vocabulary-parallel head, sharding included."""
     if process_group is not None:
-        return _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group)
+        return _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group, backend,
+                             op)
     x, lead_shape = check_linear(input, linear_weight, linear_bias)
     V = linear_weight.shape[0]
     t = None
     if target is not None:
         t = check_target(target, lead_shape, V, ignore_index, input.device)
-    return HeadArgs(x, linear_weight, linear_bias, t, lead_shape, check_class_weight(weight, V, input.device), V)
+    cw = check_class_weight(weight, V, input.device)
+    return HeadArgs(x, linear_weight, linear_bias, t, lead_shape, cw, V, head.choose_backend(backend, x, op))
 
 
-def _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group) -> HeadArgs:
+def _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group, backend,
+                  op) -> HeadArgs:
     """linear_head over a vocabulary sharded on process_group: this rank's rows (a DTensor's local shard), the
     input and target replicated, the targets global ids checked against all shards' rows (shards.layout)."""
     given = process_group if isinstance(process_group, shards.Sharding) else shards.Sharding(process_group)
@@ -239,7 +244,13 @@ def _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weigh
         if isinstance(layout.vocab, int) and layout.vocab == 0:
             raise ValueError("the shards of linear_weight over process_group hold no rows: the vocabulary is empty")
         t = check_target(target, lead, layout.vocab, ignore_index, x.device)
-    return HeadArgs(x2d, w, b, t, lead, cw, layout.vocab, shards.Shard(group, layout.start))
+    chosen = head.choose_backend(backend, x2d, op)
+    if chosen == "torch":
+        # The PyTorch backend returns dx in x's dtype: upcast, so that the shards' parts are summed before the one
+        # rounding.
+        x2d = x2d.to(acc_dtype(x2d.dtype))
+    x2d = shards.sum_grad_over_group(x2d, group)
+    return HeadArgs(x2d, w, b, t, lead, cw, layout.vocab, chosen, shards.Shard(group, layout.start))
 
 
 def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:

@@ -1,14 +1,14 @@
 """linear_cross_entropy: the loss of a linear head without materialising its logits.
 
-The call, top to bottom: validation (_validate, which prepares the head: flattened, with its sharding where
-``process_group`` is given) -> one call of the head op (head.linear_cross_entropy), which chooses the backend
-(Triton kernels or the chunked PyTorch path) and the plan: the head op's per-row statistics (row max, log-sum-exp,
+The call, top to bottom: validation (_validate, which prepares the head: flattened, its backend chosen (Triton
+kernels or the chunked PyTorch path), with its sharding where ``process_group`` is given) -> one call of the head op
+(head.linear_cross_entropy), which chooses the plan: the head op's per-row statistics (row max, log-sum-exp,
 target logit, smoothing sum; of the whole vocabulary where it is sharded, shards.exchange) -> the cross-entropy
 written on them (loss_math, the same code on every path) -> the reduction. The backward is autograd's through that
 expression, down to the head op's one generic backward (loss_math describes the form of the gradient). A reduced
-loss with a gradient wanted may take a fused plan instead (head.fused_plan: on the PyTorch backend always where the
-budget holds, on Triton where the policy finds it faster; the gradients in the forward, the same loss_math terms),
-and a one-class head a closed form (head.one_class_logits).
+loss with a gradient wanted may take a fused plan instead (the backend's fused_plan: on the PyTorch backend always
+where the budget holds, on Triton where the policy finds it faster; the gradients in the forward, the same loss_math
+terms), and a one-class head a closed form (torch_backend/one_class.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from . import _validate, head
 from ._validate import check_workspace
-from .head import HALF_SKIP_THRESHOLD, class_counts
+from .head import HALF_SKIP_THRESHOLD
+from .vocab import class_counts
 
 # Names of the skip option and helpers that callers import from here.
 __all__ = ["HALF_SKIP_THRESHOLD", "check_workspace", "class_counts", "linear_cross_entropy"]
@@ -119,12 +120,13 @@ def linear_cross_entropy(
     _validate.check_flag("deterministic", deterministic)
     _validate.check_workspace(workspace_bytes)
     _validate.check_skip_options(skip_threshold, vocab_order, None, None)  # before the group: the same errors
-    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group)
+    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, weight=weight,
+                              process_group=process_group, backend=backend, op="linear_cross_entropy")
     _validate.check_skip_options(skip_threshold, vocab_order, h.weight.shape[0], h.x.device)  # a tensor of counts
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
-    return head.linear_cross_entropy(h, reduction, ignore_index, label_smoothing, z_loss, softcap, backend=backend,
-                                     skip=skip, workspace_bytes=workspace_bytes)
+    return head.linear_cross_entropy(h, reduction, ignore_index, label_smoothing, z_loss, softcap, skip=skip,
+                                     workspace_bytes=workspace_bytes)
 
 
 def _check_torch_options(options) -> None:

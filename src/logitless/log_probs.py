@@ -1,8 +1,8 @@
 """linear_log_probs and linear_logsumexp: per-token scores of a linear head without materialising its logits.
 
-Both follow linear_cross_entropy's steps: validation (the prepared head, sharded with ``process_group``) -> one
-call of the head op (head.linear_log_probs, head.linear_logsumexp: the backend, the one-class closed form, the
-statistics of the whole vocabulary) -> the scores written on them (loss_math).
+Both follow linear_cross_entropy's steps: validation (the prepared head, its backend chosen, sharded with
+``process_group``) -> one call of the head op (head.linear_log_probs, head.linear_logsumexp: the one-class closed
+form, or the statistics of the whole vocabulary) -> the scores written on them (loss_math).
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def linear_log_probs(
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
     _validate.check_workspace(workspace_bytes)
     _validate.check_skip_options(skip_threshold, "none", None, None)
-    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, None, process_group)
+    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, process_group=process_group,
+                              backend=backend, op="linear_log_probs")
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
     skip = head.Skip(skip_threshold, "none")
-    logp, ent = head.linear_log_probs(h, ignore_index, softcap, 1.0 / float(temperature), return_entropy,
-                                      backend=backend, skip=skip, workspace_bytes=workspace_bytes)
+    logp, ent = head.linear_log_probs(h, ignore_index, softcap, 1.0 / float(temperature), return_entropy, skip=skip,
+                                      workspace_bytes=workspace_bytes)
     return (logp, ent) if return_entropy else logp
 
 
@@ -95,6 +96,6 @@ def linear_logsumexp(
     _validate.check_no_transform("linear_logsumexp")
     _validate.check_options(softcap=softcap, temperature=temperature)
     _validate.check_workspace(workspace_bytes)
-    h = _validate.linear_head(input, linear_weight, None, linear_bias, -100, None, process_group)
-    return head.linear_logsumexp(h, softcap, 1.0 / float(temperature), backend=backend,
-                                 workspace_bytes=workspace_bytes)
+    h = _validate.linear_head(input, linear_weight, None, linear_bias, -100, process_group=process_group,
+                              backend=backend, op="linear_logsumexp")
+    return head.linear_logsumexp(h, softcap, 1.0 / float(temperature), workspace_bytes=workspace_bytes)

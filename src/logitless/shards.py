@@ -106,12 +106,12 @@ def sum_grad_over_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
-def exchange(st, t_local, class_w, want_smooth: bool, v_local: int, group: Group):
+def exchange(st, t_local, class_w, v_local: int, group: Group):
     """(the statistics of the whole vocabulary, the target's class weight, the sum of the class weights) from this
     shard's (loss_math.Stats of the head op, targets shifted to the shard, None where absent), identical on every
     rank: M = max_r m_r, logs = log sum_r exp((m_r - M) + s_r), the target logit and smoothing sums add up, the
     entropy is the mixture's. The target's class weight is None without class weights; the sum of the class weights
-    (the vocabulary size without them) only with want_smooth. One all-gather of a few floats per row."""
+    (the vocabulary size without them) only with the smoothing sum sw. One all-gather of a few floats per row."""
     n = st.m.shape[0]
     rows = [r for r in st if r is not None]
     if class_w is not None and t_local is not None:  # the target's class weight: in one shard, 0 in the others
@@ -119,7 +119,7 @@ def exchange(st, t_local, class_w, want_smooth: bool, v_local: int, group: Group
         w_tr = class_w[t_local.clamp(0, max(v_local - 1, 0))] if v_local > 0 else torch.zeros_like(st.m)
         rows.append(torch.where(inside, w_tr.to(st.m.dtype), 0.0))
     local = torch.stack(rows).reshape(-1)
-    if want_smooth:  # the shard's sum of class weights (its row count without them) rides along
+    if st.sw is not None:  # the shard's sum of class weights (its row count without them) rides along
         w_r = (class_w.sum().reshape(1) if class_w is not None
                else torch.full((1,), float(v_local), device=st.m.device))
         local = torch.cat([local, w_r.to(local.dtype)])
