@@ -21,16 +21,18 @@ import logitless
 # Lowest first. A module's layer is that of its top-level name (logitless.kernels.linear_head: "kernels"); a module
 # may import its own layer and those below.
 LAYERS = (
-    ("_validate", "_autograd", "_dispatch", "testing", "vocab", "sorted_head"),  # checks, autograd hygiene, oracles, a
-    # vocabulary's stored order, and the head that keeps it learned
+    ("_autograd", "_dispatch", "shards", "testing", "vocab", "sorted_head"),  # autograd hygiene, what runs where, a
+    # vocabulary shard's layout and collectives, oracles, a vocabulary's stored order, and the head that keeps it
+    # learned
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
     ("triton_backend", "triton_two_heads", "triton_cross_entropy", "skip_gate"),  # the kernels as torch.library
     # ops; whether skipping pays
-    ("head",),  # the head op: backend choice, skip plan
-    ("distributed",),  # vocab-parallel: the head op per shard + an exchange of the statistics
+    ("head",),  # the head op: backend choice, skip plan, sharding, one call per loss
+    ("_validate",),  # the checks, and the prepared head they give the head op
     ("linear_cross_entropy", "log_probs", "cross_entropy", "distill"),  # public ops
-    ("nn", "integrations", "apps", ""),  # modules, integrations, the commands; "": __init__
+    ("nn", "distributed", "integrations", "apps", ""),  # modules, the public ops with a vocabulary layout given,
+    # integrations, the commands; "": __init__
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Exceptions to the layer order (none: the dispatcher's table of ops with kernels is static).
@@ -224,6 +226,26 @@ def test_public_ops_go_through_the_head_op():
     assert BYPASSES - found == set(), f"no longer imported, remove: {sorted(BYPASSES - found)}"
 
 
+# One head-op call per loss: each public op of a linear head validates (and prepares the head, its backend and
+# sharding included), then calls the head op once; the backend, the one-class closed form, the fused plan, skipping
+# and the exchange of a sharded head's statistics are all behind that call (head.Skip only packs options).
+ONE_CALL_OPS = {"linear_cross_entropy": ("linear_cross_entropy",),
+                "log_probs": ("linear_log_probs", "linear_logsumexp")}
+
+
+def _head_calls(module: str, function: str) -> list[str]:
+    """The calls `head.<name>(...)` in `function` of logitless.<module>, head.Skip aside."""
+    tree = ast.parse(MODULES[f"logitless.{module}"].read_text())
+    fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function][-1]  # after @overloads
+    return [n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "head" and n.func.attr != "Skip"]
+
+
+@pytest.mark.parametrize("module, function", [(m, f) for m, fs in ONE_CALL_OPS.items() for f in fs])
+def test_one_head_op_call_per_loss(module, function):
+    assert _head_calls(module, function) == [function], _head_calls(module, function)
+
+
 def _fake_registrations(path: Path) -> list[str]:
     """The fake implementations that `path` registers, by name: a lambda is "<lambda>", a function named `_` is
     "_" (names that a traceback or a profile of a traced graph cannot tell apart)."""
@@ -299,7 +321,7 @@ except RuntimeError as e:
 else:
     raise AssertionError("backend='triton' ran without Triton")
 loaded = sorted(m for m in sys.modules if m.startswith(("logitless.triton", "logitless.kernels.")))
-assert loaded == ["logitless.kernels._common", "logitless.kernels._tuning"], loaded
+assert loaded == [], loaded
 """
 
 

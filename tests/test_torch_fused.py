@@ -1,4 +1,4 @@
-"""The PyTorch path's fused training path of linear_cross_entropy (torch_backend.fused_linear_cross_entropy): where
+"""The PyTorch path's fused training path of linear_cross_entropy (torch_backend.fused_cross_entropy): where
 it applies, the precision rule with every option, the upstream gradient, a second backward, its memory; and the
 generic path where it does not apply (no gradient, reduction="none", a budget too small)."""
 

@@ -78,16 +78,15 @@ def main() -> None:
 
 def _generic(fn):
     """fn() with the fused training path off and the forward's blocks of the backward's size."""
-    from logitless import torch_backend as tb
-    from logitless.torch_backend import blocks, linear_head
+    from logitless.torch_backend import blocks, fused, linear_head
 
-    saved = tb.fused_rows, linear_head.stats_block
-    tb.fused_rows = lambda *a, **k: 0
+    saved = fused.fused_rows, linear_head.stats_block
+    fused.fused_rows = lambda *a, **k: 0
     linear_head.stats_block = lambda n, V, temporaries, item: blocks.budget_block(n, V, temporaries, item=item)
     try:
         return fn()
     finally:
-        tb.fused_rows, linear_head.stats_block = saved
+        fused.fused_rows, linear_head.stats_block = saved
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import torch.distributed as dist  # noqa: E402
 
 import logitless  # noqa: E402
 import logitless.distributed  # noqa: E402
+import logitless.shards  # noqa: E402
 from logitless import testing  # noqa: E402
 from logitless.apps.bench import data  # noqa: E402
 from logitless.apps.bench.check import rel_err as rel  # noqa: E402
@@ -298,7 +299,7 @@ def time_case(head, reps):
         dist.all_reduce(dx32, group=pg)
 
     def allgather_stats():
-        logitless.distributed._all_gather_single(stats_all, stats, group=pg)
+        logitless.shards._all_gather_single(stats_all, stats, group=pg)
 
     out = {}
     for name, fn in (("one_fwd", one_fwd), ("one_fwdbwd", one_fwdbwd), ("tp_fwd", tp_fwd),

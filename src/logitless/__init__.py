@@ -1,5 +1,6 @@
 """logitless: losses and log-probabilities at the head of a language model without the N x V logits tensor."""
 
+from . import distributed as distributed  # logitless.distributed: the vocabulary-parallel ops with their layout given
 from .cross_entropy import cross_entropy
 from .distill import linear_jsd, linear_kl_div, linear_soft_cross_entropy
 from .integrations.hf import patch, unpatch

@@ -5,6 +5,9 @@
   when ``TRITON_INTERPRET=1`` is set (that is how the kernels are tested without a GPU).
 - ``backend="auto"`` (the default) is replaced by ``$LOGITLESS_BACKEND`` when that is set, else picks Triton for
   CUDA tensors when Triton imports and the op has kernels, and PyTorch otherwise.
+
+Beside it, what every layer may ask about where a call runs: the dtypes the kernels take (KERNEL_DTYPES,
+check_kernel_dtype) and whether torch.compile is tracing (is_compiling).
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 BACKENDS = ("auto", "triton", "torch")
+# The dtypes of the Triton kernels; float64 runs on the PyTorch path only (in float64 math).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Ops that have Triton kernels: kernels/linear_head (the first three), kernels/two_heads (the two-head losses) and
 # kernels/cross_entropy.
@@ -65,3 +72,19 @@ def resolve_backend(backend: str, device, op: str) -> str:
     if op not in TRITON_OPS:
         raise NotImplementedError(f"{op}: there is no Triton implementation of this op yet; use backend='torch'")
     return "triton"
+
+
+def is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
+    """True when the Triton kernels take this dtype; float64 raises for an explicit backend="triton" and falls back
+    to the PyTorch path under "auto"."""
+    if x.dtype in KERNEL_DTYPES:
+        return True
+    if backend == "triton":
+        raise TypeError(f"backend='triton' takes float32, bfloat16 or float16 inputs, got {x.dtype}; "
+                        "use backend='torch' for float64")
+    return False

@@ -1,38 +1,27 @@
 """One place that checks shapes, dtypes, devices and options, and raises errors that name the problem.
 
-Every public function calls into here before dispatching, so a bad argument never reaches a kernel. Checks that
-would need the values of a device tensor (targets out of range) never synchronise with the host: on CPU they raise
-at once, on other devices they go through a device-side assertion that fires by the next synchronisation.
+Every public function calls into here before the head op, so a bad argument never reaches a kernel; linear_head
+prepares the head that the head op takes (head.HeadArgs), its sharding included, so this module stands above the
+head op. Checks that would need the values of a device tensor (targets out of range) never synchronise with the
+host: on CPU they raise at once, on other devices they go through a device-side assertion that fires by the next
+synchronisation.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
 
 import torch
 
+from . import head, shards
+from ._dispatch import is_compiling
+from .head import HeadArgs
+from .loss_math import acc_dtype
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# float64 runs on the PyTorch path only (in float64 math); the Triton kernels take the first three.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 REDUCTIONS = ("mean", "sum", "none")
 VOCAB_ORDERS = ("batch", "none")
-
-
-class HeadArgs(NamedTuple):
-    """Validated, flattened arguments of a linear head: `x` is (N, D), `target` is (N,) int64 or None."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    target: torch.Tensor | None
-    lead_shape: torch.Size
-
-
-def is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _check_float_tensor(name: str, t, allow_dtypes=FLOAT_DTYPES) -> None:
@@ -144,9 +133,10 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index: int, device) -> torch.Tensor:
+def check_target(target, lead_shape: torch.Size, num_classes, ignore_index: int, device) -> torch.Tensor:
     """Check `target` against the leading shape and the class count; return it flattened, contiguous (the kernels
-    read it with unit stride: labels[:, 0] is a strided view), as int64."""
+    read it with unit stride: labels[:, 0] is a strided view), as int64. num_classes: an int, or a 0-d device tensor
+    (all shards' rows over a process group, exchanged between GPUs), whose range check is asynchronous."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
@@ -159,6 +149,10 @@ def check_target(target, lead_shape: torch.Size, num_classes: int, ignore_index:
         raise ValueError(f"target is on {target.device} but the input is on {device}")
     t = target.reshape(-1).long().contiguous()
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
+    if isinstance(num_classes, torch.Tensor):
+        torch._assert_async(~bad.any(), "target holds class indices outside [0, V) (V: all shards' rows over "
+                            f"process_group) that are not ignore_index={ignore_index}")
+        return t
     msg = f"target holds class indices outside [0, {num_classes}) that are not ignore_index={ignore_index}"
     if is_compiling() or t.device.type != "cpu":
         # Fires by the next synchronisation instead of stalling the stream now.
@@ -208,12 +202,55 @@ def check_linear(input, linear_weight, linear_bias) -> tuple[torch.Tensor, torch
     return input.reshape(lead_shape.numel(), D), lead_shape  # -1 cannot be inferred when D == 0
 
 
-def linear_head(input, linear_weight, target, linear_bias, ignore_index) -> HeadArgs:
+def linear_head(input, linear_weight, target, linear_bias, ignore_index, *, weight=None, process_group=None,
+                backend: str = "auto", op: str) -> HeadArgs:
+    """The prepared head of the public op `op`: its arguments checked and flattened (weight: the class weights, or
+    None) and its backend chosen (head.choose_backend); with a process_group (or a shards.Sharding), the
+    vocabulary-parallel head, sharding included."""
+    if process_group is not None:
+        return _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group, backend,
+                             op)
     x, lead_shape = check_linear(input, linear_weight, linear_bias)
+    V = linear_weight.shape[0]
     t = None
     if target is not None:
-        t = check_target(target, lead_shape, linear_weight.shape[0], ignore_index, input.device)
-    return HeadArgs(x, linear_weight, linear_bias, t, lead_shape)
+        t = check_target(target, lead_shape, V, ignore_index, input.device)
+    cw = check_class_weight(weight, V, input.device)
+    return HeadArgs(x, linear_weight, linear_bias, t, lead_shape, cw, V, head.choose_backend(backend, x, op))
+
+
+def _sharded_head(input, linear_weight, target, linear_bias, ignore_index, weight, process_group, backend,
+                  op) -> HeadArgs:
+    """linear_head over a vocabulary sharded on process_group: this rank's rows (a DTensor's local shard), the
+    input and target replicated, the targets global ids checked against all shards' rows (shards.layout)."""
+    given = process_group if isinstance(process_group, shards.Sharding) else shards.Sharding(process_group)
+    group = shards.resolve_group(given.process_group)
+    w, lay_w = shards.local_shard(linear_weight, "linear_weight", group)
+    b, lay_b = shards.local_shard(linear_bias, "linear_bias", group)
+    cw, lay_c = shards.local_shard(weight, "weight (class weights)", group)
+    x = shards.replicated_input(input, "input", group)
+    target = shards.replicated_input(target, "target", group)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == 0:  # this rank's shard may be empty
+        if b is not None and isinstance(b, torch.Tensor) and b.shape != (0,):
+            raise ValueError(f"linear_bias must have shape (0,) like this rank's empty shard, got {tuple(b.shape)}")
+        # Same checks against a one-row stand-in of the same dtype and device.
+        x2d, lead = check_linear(x, w.new_empty((1, w.shape[1])), None if b is None else b.new_empty(1))
+    else:
+        x2d, lead = check_linear(x, w, b)
+    cw = check_class_weight(cw, w.shape[0], x.device)
+    layout = shards.layout(w.shape[0], (lay_w, lay_b, lay_c), given.vocab_start, given.vocab_size, group, x.device)
+    t = None
+    if target is not None:
+        if isinstance(layout.vocab, int) and layout.vocab == 0:
+            raise ValueError("the shards of linear_weight over process_group hold no rows: the vocabulary is empty")
+        t = check_target(target, lead, layout.vocab, ignore_index, x.device)
+    chosen = head.choose_backend(backend, x2d, op)
+    if chosen == "torch":
+        # The PyTorch backend returns dx in x's dtype: upcast, so that the shards' parts are summed before the one
+        # rounding.
+        x2d = x2d.to(acc_dtype(x2d.dtype))
+    x2d = shards.sum_grad_over_group(x2d, group)
+    return HeadArgs(x2d, w, b, t, lead, cw, layout.vocab, chosen, shards.Shard(group, layout.start))
 
 
 def logits_head(logits, target, ignore_index) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
@@ -265,14 +302,3 @@ def check_workspace(workspace_bytes) -> None:
         raise TypeError(f"workspace_bytes must be None or a Python int (bytes), got {type(workspace_bytes).__name__}")
     if not 0 <= workspace_bytes < 1 << 63:
         raise ValueError(f"workspace_bytes must be in [0, 2**63), got {workspace_bytes}")
-
-
-def check_kernel_dtype(x: torch.Tensor, backend: str) -> bool:
-    """True when the Triton kernels take this dtype; float64 raises for an explicit backend="triton" and falls back
-    to the PyTorch path under "auto"."""
-    if x.dtype in KERNEL_DTYPES:
-        return True
-    if backend == "triton":
-        raise TypeError(f"backend='triton' takes float32, bfloat16 or float16 inputs, got {x.dtype}; "
-                        "use backend='torch' for float64")
-    return False

@@ -7,16 +7,18 @@ the one generic backward of loss_math's contract, whichever backend computes it:
 - "triton": the kernels, through the torch.library ops of triton_backend.py (also what torch.compile sees);
 - "torch":  the chunked PyTorch backend, torch_backend.py (CPU tensors, float64, backend="torch", an empty head).
 
-The public ops (linear_cross_entropy.py, log_probs.py) and the vocabulary-parallel path (distributed.py, which
-exchanges the statistics of each rank's shard) write their losses on these statistics with loss_math, so every
-path shares the loss code and every option of the backward: ``workspace_bytes`` (the memory the Triton backward may
-take; the PyTorch backend sizes its blocks by the default policy and ignores it), ``skip_threshold`` /
-``vocab_order`` (cold tiles the Triton backward may skip; the PyTorch backend computes every block), and the stash
-(the Triton forward keeps logits for the backward where the weight gradient's buffer has room).
+The public ops call it once per loss, on the head that validation prepared (_validate.linear_head, which also
+chooses its backend with choose_backend): linear_cross_entropy, linear_log_probs and linear_logsumexp run the
+one-class closed forms (torch_backend/one_class.py), the fused plan of a reduced cross-entropy whose gradient is
+wanted, or the statistics, of the whole vocabulary where the head is sharded (shards.exchange), and write the loss on
+them with loss_math, so every path shares the loss code and every option of the backward: ``workspace_bytes`` (the
+memory the Triton backward may take; the PyTorch backend sizes its blocks by the default policy and ignores it),
+``skip_threshold`` / ``vocab_order`` (cold tiles the Triton backward may skip, decided by that backend; the PyTorch
+backend computes every block), and the stash (the Triton forward keeps logits for the backward where the weight
+gradient's buffer has room). Both backends answer the same three calls: stats, fused_plan, fused_cross_entropy.
 
-Every other backend choice of a public op is made here too, behind one call each: the fused plans of a reduced
-cross-entropy whose gradient is wanted (fused_plan, fused_cross_entropy), the one-class closed form
-(one_class_logits), the two-head losses (two_heads_loss) and cross-entropy on given logits (logits_cross_entropy).
+Every other backend choice of a public op is made here too, behind one call each: the two-head losses
+(two_heads_loss) and cross-entropy on given logits (logits_cross_entropy).
 
 The Triton backends (triton_backend.py, triton_two_heads.py, triton_cross_entropy.py) import Triton with the kernels
 they launch, by plain names. This module imports them inside the calls that chose Triton, and no other module of
@@ -30,35 +32,27 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validate, skip_gate, torch_backend
-from ._dispatch import resolve_backend
-from ._validate import is_compiling
-from .kernels import current_tuning
+from . import loss_math, shards, torch_backend
+from ._dispatch import KERNEL_DTYPES, check_kernel_dtype, resolve_backend
 from .loss_math import Stats
 from .torch_backend import cross_entropy as torch_cross_entropy
 from .torch_backend import two_heads as torch_two_heads
 
-__all__ = ["HALF_SKIP_THRESHOLD", "FusedPlan", "Skip", "Stats", "choose_backend", "class_counts",
-           "fused_cross_entropy", "fused_plan", "logits_cross_entropy", "one_class_logits", "resolve_skip",
-           "running_class_counts", "stats", "two_heads_loss"]
+__all__ = ["HALF_SKIP_THRESHOLD", "HeadArgs", "Skip", "Stats", "choose_backend", "linear_cross_entropy",
+           "linear_log_probs", "linear_logsumexp", "logits_cross_entropy", "stats", "two_heads_loss", "z_loss_apart"]
 
 # The skipped-mass budget per row that bf16/fp16 inputs can ask for safely: 1/8 of the 2^-9 relative error that
 # PyTorch's own bf16 softmax makes in every gradient row (docs/kernels.md). Too large for float32 inputs.
 HALF_SKIP_THRESHOLD = 2.0**-12
-# skip_threshold="auto": the rows' budgets add up to a quarter of the rounding error PyTorch's own gradient has in the
-# input dtype, in units of u max(1, |m_i|) / 4 with u = 2^-9 (bfloat16) or 2^-12 (float16), shared over the batch
-# by each row's mass outside its top class (docs/kernels.md, "Sparsity"). Passed to the kernels as a negative
-# threshold (plans.row_budget).
-AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 
 
 class Skip(NamedTuple):
     """What the backward may skip: at most `threshold` of each row's probability mass (None or 0: nothing; "auto":
-    a budget per row from its largest logit, AUTO_SKIP_UNIT, where skip_gate finds that it pays), with the
-    vocabulary ordered by `vocab_order` ("none", "batch": this batch's target counts, or a (V,) tensor of counts);
-    `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped then).
-    `resolved`: resolve_skip has decided this call (threshold None where it runs dense); `in_backward`: "auto"
-    left to the backward's own decision (torch.compile)."""
+    a budget per row from its largest logit, triton_backend.AUTO_SKIP_UNIT, where skip_gate finds that it pays),
+    with the vocabulary ordered by `vocab_order` ("none", "batch": this batch's target counts, or a (V,) tensor of
+    counts); `bounded` is False for a loss whose gradient error the skipped mass does not bound (nothing is skipped
+    then). `resolved`: the backend has decided this call (threshold None where it runs dense;
+    triton_backend.resolve_skip); `in_backward`: "auto" left to the backward's own decision (torch.compile)."""
 
     threshold: float | str | None = None
     vocab_order: str | torch.Tensor = "none"
@@ -70,45 +64,117 @@ class Skip(NamedTuple):
 NO_SKIP = Skip()
 
 
+class HeadArgs(NamedTuple):
+    """A prepared linear head, the head op's input (_validate.linear_head): validated, flattened arguments, `x`
+    (N, D), `target` (N,) int64 (global class ids) or None, the class weights or None, the number of classes
+    `vocab`, and the `backend` that runs it (choose_backend). With `shard` (a vocabulary-parallel head:
+    shards.Shard), `weight`, `bias` and `class_weight` are this rank's rows, `vocab` is all shards' (an int, or a
+    0-d device tensor where the shard sizes were exchanged between GPUs), and `x` is the replicated input as the
+    backend takes it, its gradient summed over the group (shards.sum_grad_over_group)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor | None
+    lead_shape: torch.Size
+    class_weight: torch.Tensor | None = None
+    vocab: int | torch.Tensor = 0
+    backend: str = "torch"
+    shard: shards.Shard | None = None
+
+    def local_target(self, ignore_index: int):
+        """(the targets as ids of this head's rows, the ignore_index that goes with them): as given on one device;
+        on a shard, shifted by its first row, ignored ones -1 (a target outside [0, V_r) is in another shard, or
+        ignored: no target logit here)."""
+        if self.shard is None or self.target is None:
+            return self.target, ignore_index
+        return torch.where(self.target != ignore_index, self.target - self.shard.start, -1), -1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The public ops' calls: one per loss, on a prepared head, whatever its backend, its size (one class: the closed
+# forms of torch_backend/one_class.py), its plan (fused, or the statistics) and its sharding (the statistics of the
+# shard, exchanged: shards.exchange). Each runs down once: the backend, then the exchange, then loss_math.
+
+
+def linear_cross_entropy(h: HeadArgs, reduction, ignore_index, label_smoothing, z_loss, softcap, *, skip: Skip,
+                         workspace_bytes) -> torch.Tensor:
+    """logitless.linear_cross_entropy's loss on a prepared head: the one-class closed form, a fused plan, or the
+    statistics (of the whole vocabulary where the head is sharded) and loss_math's cross-entropy on them."""
+    backend = _backend(h.backend, h.weight)
+    target, local_ignore = h.local_target(ignore_index)
+    class_w = None if h.class_weight is None else h.class_weight.to(loss_math.acc_dtype(h.x.dtype))
+    want_lse = z_loss_apart(z_loss, h.x, h.weight)
+    if h.shard is None and h.vocab == 1:
+        # A closed form gives PyTorch's exact zeros (one_class_logits, float64), on either backend.
+        return torch_backend.one_class_cross_entropy(h.x, h.weight, h.bias, h.target, class_w, reduction,
+                                                     ignore_index, label_smoothing, z_loss, softcap, h.lead_shape)
+    if h.shard is None:
+        # The dense plan of this call: for a reduced loss whose gradient is wanted, the gradients in the forward
+        # where the backend's plan finds room (on the PyTorch backend always where the budget holds, on Triton where
+        # the policy finds it faster). Whether skipping cold tiles pays (Triton only) is judged against it, and
+        # decided there.
+        plan, skip = backend.fused_plan(h.x, h.weight, h.bias, softcap, reduction, skip, workspace_bytes)
+        if plan is not None:
+            return backend.fused_cross_entropy(h.x, h.weight, h.bias, h.target, class_w, reduction, ignore_index,
+                                               label_smoothing, z_loss, softcap, plan)
+    st = backend.stats(h.x, h.weight, h.bias, target, class_w, softcap, 1.0, label_smoothing > 0.0, False, skip=skip,
+                       ignore_index=local_ignore, workspace_bytes=workspace_bytes, want_lse=want_lse)
+    if h.shard is None:
+        valid, w_t, w_sum = loss_math.ce_row_terms(h.target, class_w, ignore_index, label_smoothing, h.vocab,
+                                                   st.m.dtype)
+    else:
+        st, w_t, w_sum = shards.exchange(st, target, class_w, h.weight.shape[0], h.shard.group)
+        valid = h.target != ignore_index
+        w_t = valid.to(st.m.dtype) if w_t is None else torch.where(valid, w_t, 0.0)
+    per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum, label_smoothing,
+                                             z_loss, h.vocab, lse=st.lse)
+    return loss_math.reduce_loss(per_token, valid, w_t, reduction, h.lead_shape)
+
+
+def linear_log_probs(h: HeadArgs, ignore_index, softcap, inv_temp, want_entropy: bool, *, skip: Skip,
+                     workspace_bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs of the targets, entropy or None), of the lead shape, 0 where ignored, on a prepared head."""
+    backend = _backend(h.backend, h.weight)
+    target, local_ignore = h.local_target(ignore_index)
+    if h.shard is None and h.vocab == 1:
+        return torch_backend.one_class_log_probs(h.x, h.weight, h.bias, h.target, ignore_index, softcap, inv_temp,
+                                                 want_entropy, h.lead_shape)
+    st = backend.stats(h.x, h.weight, h.bias, target, None, softcap, inv_temp, False, want_entropy, skip=skip,
+                       ignore_index=local_ignore, workspace_bytes=workspace_bytes)
+    if h.shard is not None:
+        st, _, _ = shards.exchange(st, target, None, h.weight.shape[0], h.shard.group)
+    logp, ent = loss_math.log_probs_from_stats(st, h.target != ignore_index)
+    return logp.reshape(h.lead_shape), (None if ent is None else ent.reshape(h.lead_shape))
+
+
+def linear_logsumexp(h: HeadArgs, softcap, inv_temp, *, workspace_bytes) -> torch.Tensor:
+    """The per-row log-sum-exp of the lead shape on a prepared head."""
+    backend = _backend(h.backend, h.weight)
+    if h.shard is None and h.vocab == 1:
+        return torch_backend.one_class_logsumexp(h.x, h.weight, h.bias, softcap, inv_temp, h.lead_shape)
+    st = backend.stats(h.x, h.weight, h.bias, None, None, softcap, inv_temp, False, False, skip=NO_SKIP,
+                       workspace_bytes=workspace_bytes)
+    if h.shard is not None:
+        st, _, _ = shards.exchange(st, None, None, h.weight.shape[0], h.shard.group)
+    return (st.m + st.logs).reshape(h.lead_shape)
+
+
+def z_loss_apart(z_loss: float, *tensors: torch.Tensor) -> bool:
+    """Whether the head op asks the backend for the lse statistic, which the z-loss then takes (loss_math's module
+    docstring): with float32 (or float64) inputs. In half precision the backward rounds dL/dz to the input's dtype
+    (2^-9 relative in bf16), which dwarfs the ulp of 1 that logs' summed gradient loses, so those calls keep the
+    plain path, the faster one (docs/math.md)."""
+    return z_loss > 0.0 and all(t.dtype.itemsize >= 4 for t in tensors)
+
+
 def choose_backend(backend: str, x: torch.Tensor, op: str) -> str:
     """"triton" or "torch" for running `op` on x: _dispatch's choice, and float64 (which has no kernels) on the
     PyTorch path under "auto" (a TypeError for an explicit backend="triton")."""
     chosen = resolve_backend(backend, x.device, op)
-    if chosen == "triton" and not _validate.check_kernel_dtype(x, backend):
+    if chosen == "triton" and not check_kernel_dtype(x, backend):
         return "torch"
     return chosen
-
-
-def resolve_skip(skip: Skip, x, weight, bias, backend: str, dense_row_chunks: bool = False) -> Skip:
-    """This call's skipping, decided once on the host (no sync): `skip` with resolved=True and threshold None where
-    the call runs the dense plans. Nothing is skipped where the backend, the dtype (float32 has no "auto" budget),
-    the loss (`bounded`) or the call (no gradient wanted, no rows) leave nothing to skip; a fixed threshold skips
-    wherever it can; "auto" asks skip_gate whether skipping pays for this head, or under torch.compile leaves the
-    question to the backward (in_backward), so that the compiled graph never depends on the answer.
-    dense_row_chunks: the call's dense alternative is the row-chunk plan (three cuBLAS products), against which
-    skipping must leave out a larger share to pay (Tuning.skip_min_share_row_chunks) than against the column plan
-    (Tuning.skip_min_share)."""
-    if skip.resolved:
-        return skip
-    done = Skip(skip.threshold, skip.vocab_order, skip.bounded, True, False)
-    if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
-        return Skip(None, skip.vocab_order, skip.bounded, True, False)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not (backend == "triton" and grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
-            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)):
-        return Skip(None, skip.vocab_order, skip.bounded, True, False)
-    from .triton_backend import skip_supported
-
-    if not skip_supported(x):
-        return Skip(None, skip.vocab_order, skip.bounded, True, False)
-    if skip.threshold != "auto":
-        return done
-    if is_compiling():
-        return Skip(skip.threshold, skip.vocab_order, skip.bounded, True, True)
-    tune = current_tuning()
-    if skip_gate.decide(weight, tune.skip_min_share_row_chunks if dense_row_chunks else tune.skip_min_share):
-        return done
-    return Skip(None, skip.vocab_order, skip.bounded, True, False)
 
 
 def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, backend: str,
@@ -117,65 +183,24 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     """The statistics of the head softcap(x W^T + b) * inv_temp on validated (N, D) / (V, D) inputs, through
     `backend` (choose_backend). target: (N,) int64 class ids or None (zt); a target outside [0, V) (ignored, or in
     another shard) has zt = 0. class_weight: (V,) or None, the w_j of sw. want_smooth / want_entropy: sw / ent
-    (None otherwise). skip (decided here by resolve_skip unless the caller did) and workspace_bytes shape the Triton
-    backward (see the module docstring); ignore_index only keeps ignored targets out of the "batch" vocabulary
+    (None otherwise). skip and workspace_bytes shape the Triton backward (see the module docstring; the backend
+    decides the skip unless the caller did); ignore_index only keeps ignored targets out of the "batch" vocabulary
     order. want_lse: the lse statistic, for a term whose gradient must stay apart from logs' (the z-loss;
     loss_math's module docstring)."""
+    return _backend(backend, weight).stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
+                                           want_entropy, skip=skip, ignore_index=ignore_index,
+                                           workspace_bytes=workspace_bytes, want_lse=want_lse)
+
+
+def _backend(backend: str, weight):
+    """The module that runs the head op for `backend`: triton_backend (imported here, inside the call that chose
+    it: the one lazy boundary) or torch_backend, which also runs a head of no classes (an empty vocabulary shard).
+    Both answer the same calls: stats, fused_plan, fused_cross_entropy."""
     if backend == "triton" and weight.shape[0] > 0:
         from . import triton_backend
 
-        skip = resolve_skip(skip, x, weight, bias, backend)
-        perm, want_tiles, tau = _skip_plan(x, weight, target, skip, ignore_index, workspace_bytes)
-        return triton_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
-                                    want_entropy, perm=perm, want_tiles=want_tiles, skip_threshold=tau,
-                                    workspace_bytes=workspace_bytes, want_lse=want_lse,
-                                    gate_in_backward=skip.in_backward)
-    return torch_backend.stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy,
-                               want_lse)
-
-
-def one_class_logits(x, weight, bias, softcap, inv_temp) -> torch.Tensor:
-    """The (N,) float64 logits of a head with one class (V = 1), differentiable, whatever the backend: its softmax
-    is exactly 1, and every loss of it is a closed form of these logits that gives PyTorch's exact zeros where the
-    general paths leave a rounding (torch_backend.one_class_logits says why float64)."""
-    return torch_backend.one_class_logits(x, weight, bias, softcap, inv_temp)
-
-
-class FusedPlan(NamedTuple):
-    """A plan of linear_cross_entropy that computes the gradients in the forward: `backend`'s, with `plan` its
-    rows per chunk ("torch") or its row-chunk plan ("triton")."""
-
-    backend: str
-    plan: object
-
-
-def fused_plan(x, weight, bias, softcap, reduction: str, backend: str, workspace_bytes) -> FusedPlan | None:
-    """The dense plan of a reduced cross-entropy whose gradient is wanted now, where one computes the gradients in
-    the forward, or None where the head op's statistics run: on the PyTorch backend, chunks of rows over the full
-    vocabulary (torch_backend.fused_rows: three products instead of four); on Triton, where the policy finds it
-    faster within the budget, chunks of full rows of logits (triton_backend.row_chunk_plan,
-    docs/design/row_chunks.md). On Triton, skipping cold tiles is judged against this plan (resolve_skip's
-    dense_row_chunks) and, where it pays, replaces it."""
-    if backend == "torch":
-        rows = torch_backend.fused_rows(x, weight, bias, softcap, reduction)
-        return FusedPlan(backend, rows) if rows else None
-    from .triton_backend import row_chunk_plan
-
-    plan = row_chunk_plan(x, weight, bias, reduction, workspace_bytes)
-    return None if plan is None else FusedPlan(backend, plan)
-
-
-def fused_cross_entropy(fused: FusedPlan, x, weight, bias, target, class_weight, reduction, ignore_index,
-                        label_smoothing, z_loss, softcap) -> torch.Tensor:
-    """The reduced cross-entropy through a plan of fused_plan, on validated inputs (class_weight in the
-    accumulation dtype): the same loss_math terms as the statistics' path."""
-    if fused.backend == "torch":
-        return torch_backend.fused_linear_cross_entropy(x, weight, bias, target, class_weight, reduction,
-                                                        ignore_index, label_smoothing, z_loss, softcap, fused.plan)
-    from .triton_backend import row_chunk_linear_cross_entropy
-
-    return row_chunk_linear_cross_entropy(x, weight, bias, target, class_weight, reduction, ignore_index,
-                                          label_smoothing, z_loss, softcap, fused.plan)
+        return triton_backend
+    return torch_backend
 
 
 def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp: float, workspace_bytes, *,
@@ -205,7 +230,7 @@ def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore
     dispatcher says; float64 under "auto", and a one-class head, on the PyTorch path. Each backend reduces the loss
     itself: the Triton form's in-place gradient is that of the reduced loss."""
     chosen = resolve_backend(backend, logits2d.device, "cross_entropy")
-    if chosen == "triton" and backend == "auto" and logits2d.dtype not in _validate.KERNEL_DTYPES:
+    if chosen == "triton" and backend == "auto" and logits2d.dtype not in KERNEL_DTYPES:
         chosen = "torch"  # float64 has no kernels
     if logits2d.shape[1] == 1:
         # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
@@ -223,45 +248,3 @@ def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore
         from .triton_cross_entropy import cross_entropy as run
     return run(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
                inplace_backward)
-
-
-def _skip_plan(x, w, target, skip: Skip, ignore_index, workspace_bytes):
-    """(perm, want_tiles, threshold) for the Triton backend from a resolved skip: tiles are recorded, and the
-    vocabulary ordered, only when the backward may skip. The order depends on the backward's workspace_bytes."""
-    if skip.threshold is None:
-        return None, False, 0.0
-    from .triton_backend import vocab_order
-
-    tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
-    perm = None
-    if isinstance(skip.vocab_order, torch.Tensor):
-        perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
-    elif skip.vocab_order == "batch" and target is not None:
-        perm = vocab_order(class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
-    return perm, True, tau
-
-
-def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
-    """(V,) float32 count of each class among the non-ignored targets, on the targets' device, without a host sync
-    (no bincount: its output size would need one)."""
-    t = target.reshape(-1)
-    valid = (t != ignore_index) & (t >= 0) & (t < num_classes)
-    idx = torch.where(valid, t, num_classes)
-    counts = torch.zeros(num_classes + 1, device=t.device, dtype=torch.float32)
-    return counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))[:num_classes]
-
-
-# Per-step decay of LinearCrossEntropyLoss's running class counts (vocab_order="running"): about 100 steps of memory.
-RUNNING_DECAY = 0.99
-
-
-def running_class_counts(counts, target: torch.Tensor, num_classes: int, ignore_index: int, update: bool = True):
-    """counts * RUNNING_DECAY + this batch's class counts, in place and on the device (no host sync); a new (V,)
-    float32 tensor of the batch's counts when counts is None or of another size or device. update=False returns
-    the counts unchanged (evaluation)."""
-    if counts is None or counts.shape != (num_classes,) or counts.device != target.device:
-        return class_counts(target, num_classes, ignore_index)
-    if update:
-        with torch.no_grad():
-            counts.mul_(RUNNING_DECAY).add_(class_counts(target, num_classes, ignore_index))
-    return counts

@@ -1,22 +1,24 @@
 """linear_cross_entropy: the loss of a linear head without materialising its logits.
 
-The call, top to bottom: validation (_validate) -> the backend (head.choose_backend: Triton kernels or the chunked
-PyTorch path) -> the head op's per-row statistics (head.stats: row max, log-sum-exp, target logit, smoothing sum)
--> the cross-entropy written on them (loss_math, the same code on every path) -> the reduction. The backward is
-autograd's through that expression, down to the head op's one generic backward (loss_math describes the form of
-the gradient). A reduced loss with a gradient wanted may take a fused plan instead, chosen behind the head op
-(head.fused_plan: on the PyTorch backend always where the budget holds, on Triton where the policy finds it faster;
-the gradients in the forward, the same loss_math terms), and a one-class head a closed form (head.one_class_logits).
-With ``process_group`` the vocabulary is sharded and distributed.py runs the same steps per shard.
+The call, top to bottom: validation (_validate, which prepares the head: flattened, its backend chosen (Triton
+kernels or the chunked PyTorch path), with its sharding where ``process_group`` is given) -> one call of the head op
+(head.linear_cross_entropy), which chooses the plan: the head op's per-row statistics (row max, log-sum-exp,
+target logit, smoothing sum; of the whole vocabulary where it is sharded, shards.exchange) -> the cross-entropy
+written on them (loss_math, the same code on every path) -> the reduction. The backward is autograd's through that
+expression, down to the head op's one generic backward (loss_math describes the form of the gradient). A reduced
+loss with a gradient wanted may take a fused plan instead (the backend's fused_plan: on the PyTorch backend always
+where the budget holds, on Triton where the policy finds it faster; the gradients in the forward, the same loss_math
+terms), and a one-class head a closed form (torch_backend/one_class.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _validate, distributed, head, loss_math
+from . import _validate, head
 from ._validate import check_workspace
-from .head import HALF_SKIP_THRESHOLD, class_counts
+from .head import HALF_SKIP_THRESHOLD
+from .vocab import class_counts
 
 # Names of the skip option and helpers that callers import from here.
 __all__ = ["HALF_SKIP_THRESHOLD", "check_workspace", "class_counts", "linear_cross_entropy"]
@@ -116,50 +118,15 @@ def linear_cross_entropy(
     _validate.check_options(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             ignore_index=ignore_index)
     _validate.check_flag("deterministic", deterministic)
-    if process_group is not None:
-        return distributed.linear_cross_entropy(
-            input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            backend=backend, skip_threshold=skip_threshold, vocab_order=vocab_order, workspace_bytes=workspace_bytes,
-            process_group=process_group,
-        )
-    args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
-    weight = _validate.check_class_weight(weight, linear_weight.shape[0], input.device)
-    _validate.check_skip_options(skip_threshold, vocab_order, linear_weight.shape[0], input.device)
     _validate.check_workspace(workspace_bytes)
-    chosen = head.choose_backend(backend, args.x, "linear_cross_entropy")
-    V = args.weight.shape[0]
-    class_w = None if weight is None else weight.to(loss_math.acc_dtype(args.x.dtype))
-    if V == 1:
-        # One class: lse = z, so the cross-entropy and the smoothing are exactly 0 and the z-loss is z^2; a closed
-        # form gives PyTorch's exact zeros (head.one_class_logits, float64), on either backend. Those zeros
-        # are weighted by w_t, as PyTorch's are, so their gradient is w_t times the upstream one: 0, or NaN where a
-        # "mean" over class weights that sum to 0 makes the upstream gradient infinite (PyTorch's NaN, not the
-        # z-loss term's inf alone). z - z is that zero with that gradient.
-        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0)
-        valid, w_t, _ = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, 1, z.dtype)
-        per_token = w_t * (z - z)
-        if z_loss > 0.0:
-            per_token = per_token + float(z_loss) * z * z
-        loss = loss_math.reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, args.lead_shape)
-        return loss.to(loss_math.acc_dtype(args.x.dtype))
-    # The dense plan of this call: for a reduced loss whose gradient is wanted, the gradients in the forward where
-    # the backend's plan finds room (head.fused_plan). Whether skipping cold tiles pays (Triton only) is judged
-    # against it. Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no
-    # skipping.
-    fused = head.fused_plan(args.x, args.weight, args.bias, softcap, reduction, chosen, workspace_bytes)
-    skip = head.resolve_skip(head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0), args.x,
-                             args.weight, args.bias, chosen, dense_row_chunks=fused is not None)
-    if fused is not None and skip.threshold is None:
-        return head.fused_cross_entropy(fused, args.x, args.weight, args.bias, args.target, class_w, reduction,
-                                        ignore_index, label_smoothing, z_loss, softcap)
-    st = head.stats(args.x, args.weight, args.bias, args.target, class_w, softcap, 1.0, label_smoothing > 0.0, False,
-                    backend=chosen, skip=skip, ignore_index=ignore_index, workspace_bytes=workspace_bytes,
-                    want_lse=loss_math.z_loss_apart(z_loss, args.x, args.weight))
-    valid, w_t, w_sum = loss_math.ce_row_terms(args.target, class_w, ignore_index, label_smoothing, V, st.m.dtype)
-    per_token = loss_math.ce_loss_from_stats(st.m, st.logs, st.zt, st.sw, st.m, valid, w_t, w_sum, label_smoothing,
-                                             z_loss, V, lse=st.lse)
-    return loss_math.reduce_loss(per_token, valid, w_t, reduction, args.lead_shape)
+    _validate.check_skip_options(skip_threshold, vocab_order, None, None)  # before the group: the same errors
+    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, weight=weight,
+                              process_group=process_group, backend=backend, op="linear_cross_entropy")
+    _validate.check_skip_options(skip_threshold, vocab_order, h.weight.shape[0], h.x.device)  # a tensor of counts
+    # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
+    skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
+    return head.linear_cross_entropy(h, reduction, ignore_index, label_smoothing, z_loss, softcap, skip=skip,
+                                     workspace_bytes=workspace_bytes)
 
 
 def _check_torch_options(options) -> None:

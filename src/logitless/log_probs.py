@@ -1,7 +1,8 @@
 """linear_log_probs and linear_logsumexp: per-token scores of a linear head without materialising its logits.
 
-Both follow linear_cross_entropy's steps: validation -> the backend (head.choose_backend) -> the head op's per-row
-statistics (head.stats) -> the scores written on them (loss_math); with ``process_group``, distributed.py.
+Both follow linear_cross_entropy's steps: validation (the prepared head, its backend chosen, sharded with
+``process_group``) -> one call of the head op (head.linear_log_probs, head.linear_logsumexp: the one-class closed
+form, or the statistics of the whole vocabulary) -> the scores written on them (loss_math).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import _validate, distributed, head, loss_math
+from . import _validate, head
 
 
 @overload
@@ -66,32 +67,16 @@ def linear_log_probs(
     _validate.check_no_transform("linear_log_probs")
     ignore_index = _validate.ignore_index_arg(ignore_index)
     _validate.check_flag("return_entropy", return_entropy)
-    if process_group is not None:
-        return distributed.linear_log_probs(
-            input, linear_weight, target, linear_bias=linear_bias, softcap=softcap, temperature=temperature,
-            ignore_index=ignore_index, return_entropy=return_entropy, backend=backend, skip_threshold=skip_threshold,
-            workspace_bytes=workspace_bytes, process_group=process_group,
-        )
     _validate.check_options(softcap=softcap, temperature=temperature, ignore_index=ignore_index)
-    args = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index)
-    _validate.check_skip_options(skip_threshold, "none", linear_weight.shape[0], input.device)
     _validate.check_workspace(workspace_bytes)
-    chosen = head.choose_backend(backend, args.x, "linear_log_probs")
-    valid = args.target != ignore_index
-    if linear_weight.shape[0] == 1:
-        # One class: log 1 = 0 and no entropy, exactly (head.one_class_logits), on either backend.
-        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, 1.0 / float(temperature))
-        logp = torch.where(valid, z * 0.0, 0.0).reshape(args.lead_shape).to(loss_math.acc_dtype(args.x.dtype))
-        return (logp, logp.clone()) if return_entropy else logp
+    _validate.check_skip_options(skip_threshold, "none", None, None)
+    h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, process_group=process_group,
+                              backend=backend, op="linear_log_probs")
     # The entropy's gradient is not bounded by the skipped probability mass alone: no skipping with it.
     skip = head.Skip(skip_threshold, "none")
-    st = head.stats(args.x, args.weight, args.bias, args.target, None, softcap, 1.0 / float(temperature), False,
-                    bool(return_entropy), backend=chosen, skip=skip, ignore_index=ignore_index,
-                    workspace_bytes=workspace_bytes)
-    logp, ent = loss_math.log_probs_from_stats(st, valid)
-    if return_entropy:
-        return logp.reshape(args.lead_shape), ent.reshape(args.lead_shape)
-    return logp.reshape(args.lead_shape)
+    logp, ent = head.linear_log_probs(h, ignore_index, softcap, 1.0 / float(temperature), return_entropy, skip=skip,
+                                      workspace_bytes=workspace_bytes)
+    return (logp, ent) if return_entropy else logp
 
 
 def linear_logsumexp(
@@ -109,18 +94,8 @@ def linear_logsumexp(
     first when ``softcap`` is set), float32, of the input's leading shape. Differentiable; ``workspace_bytes`` as
     in :func:`logitless.linear_cross_entropy`."""
     _validate.check_no_transform("linear_logsumexp")
-    if process_group is not None:
-        return distributed.linear_logsumexp(input, linear_weight, linear_bias=linear_bias, softcap=softcap,
-                                            temperature=temperature, backend=backend,
-                                            workspace_bytes=workspace_bytes, process_group=process_group)
     _validate.check_options(softcap=softcap, temperature=temperature)
-    args = _validate.linear_head(input, linear_weight, None, linear_bias, -100)
     _validate.check_workspace(workspace_bytes)
-    chosen = head.choose_backend(backend, args.x, "linear_logsumexp")
-    inv_temp = 1.0 / float(temperature)
-    if linear_weight.shape[0] == 1:  # one class: lse = z, exactly
-        z = head.one_class_logits(args.x, args.weight, args.bias, softcap, inv_temp)
-        return z.reshape(args.lead_shape).to(loss_math.acc_dtype(args.x.dtype))
-    st = head.stats(args.x, args.weight, args.bias, None, None, softcap, inv_temp, False, False, backend=chosen,
-                    workspace_bytes=workspace_bytes)
-    return (st.m + st.logs).reshape(args.lead_shape)
+    h = _validate.linear_head(input, linear_weight, None, linear_bias, -100, process_group=process_group,
+                              backend=backend, op="linear_logsumexp")
+    return head.linear_logsumexp(h, softcap, 1.0 / float(temperature), workspace_bytes=workspace_bytes)

@@ -24,7 +24,7 @@ The lse statistic carries d lse/dz_j = p_j too, for a term that must not share l
 logs, autograd would add its 2 z_loss lse to the cross-entropy's w_t into one float32 number, 1.002 say, whose
 rounding (an ulp of 1) is most of the target column's gradient at a near-certain row, where that column is
 p_t 2 z_loss lse - (1 - p_t) w_t (float32, V = 2, z_loss 1e-4: d_input 100 x PyTorch's error). Float32 inputs only
-(z_loss_apart): in half precision dL/dz's own rounding dwarfs that ulp.
+(head.z_loss_apart): in half precision dL/dz's own rounding dwarfs that ulp.
 """
 
 from __future__ import annotations
@@ -146,15 +146,6 @@ def ce_row_terms(target, class_w, ignore_index, label_smoothing, V, dtype=torch.
         w_t = cw[torch.where(valid, target, 0)] * valid
         w_sum = cw.sum()
     return valid, w_t, w_sum
-
-
-def z_loss_apart(z_loss: float, *tensors: torch.Tensor) -> bool:
-    """Whether the z-loss takes the head op's lse statistic (module docstring): with float32 (or float64) inputs. In
-    half precision the backward rounds dL/dz to the input's dtype (2^-9 relative in bf16), which dwarfs the ulp of 1
-    that logs' summed gradient loses, so those calls keep the plain path: the statistic's form of the target's column
-    made a bf16 fwd+bwd with a z-loss 3-4% slower at (16384, 1024, 151936) on an H100 (within the spread at
-    (8192, 2304, 256000))."""
-    return z_loss > 0.0 and all(t.dtype.itemsize >= 4 for t in tensors)
 
 
 def ce_loss_from_stats(m, logs, zt, sw, ref, valid, w_t, w_sum, label_smoothing, z_loss, V, lse=None):

@@ -6,8 +6,8 @@ import torch
 
 from . import _validate
 from .cross_entropy import cross_entropy
-from .head import running_class_counts
 from .linear_cross_entropy import linear_cross_entropy
+from .vocab import running_class_counts
 
 
 class _LossOptions(torch.nn.Module):

@@ -7,15 +7,19 @@ generic backward. As torch.library ops, torch.compile sees each as one opaque op
 
 This module imports Triton (through the kernels it launches): head.py imports it only inside the calls that chose
 the Triton backend, the one lazy boundary that keeps `import logitless` free of Triton.
+
+The head op calls it as it calls the PyTorch backend, through the same three names: fused_plan (the row-chunk plan
+of a reduced loss whose gradient is wanted, or skipping cold tiles where that pays: this call's skip decided here),
+fused_cross_entropy (that plan's loss) and stats (the statistics, with the backward's skipping planned here).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import skip_gate
+from . import skip_gate, vocab
 from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
-from ._validate import is_compiling
+from ._dispatch import is_compiling
 from .kernels import current_tuning, new_buffer
 from .kernels.cross_entropy import scale_rows_
 from .kernels.linear_head import backward, forward_stats, skip_supported, stash_layout, tile_grid, vocab_order
@@ -23,8 +27,13 @@ from .kernels.linear_head.row_chunk_plan import row_chunk_plan as plan_row_chunk
 from .kernels.linear_head.row_chunks import forward_with_grads
 from .loss_math import Stats, head_coefficients
 
-# What the head op asks of the kernels' planning before it calls this backend (head.resolve_skip, head._skip_plan).
-__all__ = ["row_chunk_linear_cross_entropy", "row_chunk_plan", "skip_supported", "stats", "vocab_order"]
+__all__ = ["fused_cross_entropy", "fused_plan", "resolve_skip", "row_chunk_plan", "stats"]
+
+# skip_threshold="auto": the rows' budgets add up to a quarter of the rounding error PyTorch's own gradient has in the
+# input dtype, in units of u max(1, |m_i|) / 4 with u = 2^-9 (bfloat16) or 2^-12 (float16), shared over the batch
+# by each row's mass outside its top class (docs/kernels.md, "Sparsity"). Passed to the kernels as a negative
+# threshold (plans.row_budget).
+AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 
 
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
@@ -203,13 +212,15 @@ torch.library.register_autograd("logitless::linear_head_stats", _stats_backward,
 torch.library.register_autograd("logitless::linear_head_grad", no_double_backward, setup_context=no_setup)
 
 
-def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, perm=None,
-          want_tiles=False, skip_threshold=0.0, workspace_bytes=None, want_lse=False,
-          gate_in_backward=False) -> Stats:
+def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, *, skip,
+          ignore_index=-100, workspace_bytes=None, want_lse=False) -> Stats:
     """The head op's statistics through the kernels (differentiable; float32, bfloat16 or float16 inputs of one
-    dtype, at least one class); perm / want_tiles / skip_threshold from head.skip_plan; workspace_bytes for the
-    backward (None: the memory policy); want_lse: the lse statistic (loss_math's module docstring);
-    gate_in_backward: the backward asks skip_gate whether to use the tiles (torch.compile's "auto")."""
+    dtype, at least one class); skip (head.Skip, decided here by resolve_skip unless the caller did) shapes the
+    backward: tiles are recorded, and the vocabulary ordered (ignore_index keeps ignored targets out of the "batch"
+    order), only where it may skip; workspace_bytes for the backward (None: the memory policy); want_lse: the lse
+    statistic (loss_math's module docstring)."""
+    skip = resolve_skip(skip, x, weight, bias)
+    perm, want_tiles, tau = _skip_plan(x, weight, target, skip, ignore_index, workspace_bytes)
     cw = None if class_weight is None else class_weight.float().contiguous()
     # The forward keeps logits for the backward in the weight gradient's buffer where it has room (kernels.Tuning's
     # stash_logits; the layout: kernels/linear_head/plans.py): not when tracing for torch.compile, whose backward
@@ -218,15 +229,69 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     want_stash = (torch.is_grad_enabled() and weight.requires_grad and not want_tiles and perm is None
                   and not torch.compiler.is_compiling())
     out = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap), float(inv_temp),
-                    bool(want_smooth), bool(want_entropy), perm, bool(want_tiles), float(skip_threshold),
-                    workspace_bytes, want_stash, x.requires_grad, bool(want_lse), bool(gate_in_backward))
+                    bool(want_smooth), bool(want_entropy), perm, want_tiles, tau, workspace_bytes, want_stash,
+                    x.requires_grad, bool(want_lse), skip.in_backward)
     m, logs, zt, sw, ent = out[:5]
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
                  ent if want_entropy else None, out[9] if want_lse else None)
 
 
+def resolve_skip(skip, x, weight, bias, dense_row_chunks: bool = False):
+    """This call's skipping (a head.Skip), decided once on the host (no sync): `skip` with resolved=True and
+    threshold None where the call runs the dense plans. Nothing is skipped where the dtype (float32 has no "auto"
+    budget), the loss (`bounded`), the call (no gradient wanted, no rows) or the device leave nothing to skip; a
+    fixed threshold skips wherever it can; "auto" asks skip_gate whether skipping pays for this head, or under
+    torch.compile leaves the question to the backward (in_backward), so that the compiled graph never depends on the
+    answer. dense_row_chunks: the call's dense alternative is the row-chunk plan (three cuBLAS products), against
+    which skipping must leave out a larger share to pay (Tuning.skip_min_share_row_chunks) than against the column
+    plan (Tuning.skip_min_share)."""
+    if skip.resolved:
+        return skip
+    dense = skip._replace(threshold=None, resolved=True, in_backward=False)
+    if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
+        return dense
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not (grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
+            and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)):
+        return dense
+    if not skip_supported(x):
+        return dense
+    done = skip._replace(resolved=True, in_backward=False)
+    if skip.threshold != "auto":
+        return done
+    if is_compiling():
+        return skip._replace(resolved=True, in_backward=True)
+    tune = current_tuning()
+    if skip_gate.decide(weight, tune.skip_min_share_row_chunks if dense_row_chunks else tune.skip_min_share):
+        return done
+    return dense
+
+
+def _skip_plan(x, w, target, skip, ignore_index, workspace_bytes):
+    """(perm, want_tiles, threshold) from a resolved skip: tiles are recorded, and the vocabulary ordered, only when
+    the backward may skip. The order depends on the backward's workspace_bytes."""
+    if skip.threshold is None:
+        return None, False, 0.0
+    tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
+    perm = None
+    if isinstance(skip.vocab_order, torch.Tensor):
+        perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)
+    elif skip.vocab_order == "batch" and target is not None:
+        perm = vocab_order(vocab.class_counts(target, w.shape[0], ignore_index), x, w, workspace_bytes)
+    return perm, True, tau
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The row-chunk plan of a reduced loss with a gradient wanted (kernels/linear_head/row_chunks.py)
+
+
+def fused_plan(x, w, b, softcap, reduction, skip, workspace_bytes):
+    """(the row-chunk plan or None, this call's skip, resolved): the dense plan of a reduced loss whose gradient is
+    wanted, where the policy finds it faster within the budget (row_chunk_plan), against which skipping cold tiles
+    is judged (resolve_skip) and, where it pays, replaces it (the statistics then run, with the skip)."""
+    plan = row_chunk_plan(x, w, b, reduction, workspace_bytes)
+    skip = resolve_skip(skip, x, w, b, dense_row_chunks=plan is not None)
+    return (plan if skip.threshold is None else None), skip
 
 
 def row_chunk_plan(x, w, b, reduction, workspace_bytes):
@@ -267,8 +332,7 @@ class _RowChunkCrossEntropy(torch.autograd.Function):
         return (*scale_forward_grads(ctx, g.float(), scale_), None, None, None, None, None, None, None, None)
 
 
-def row_chunk_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss,
-                                   softcap, plan):
+def fused_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap, plan):
     """linear_cross_entropy's reduced loss through the row-chunk plan (row_chunk_plan gives `plan`); autocast off
     inside, as in stats()."""
     cw = None if class_w is None else class_w.float().contiguous()

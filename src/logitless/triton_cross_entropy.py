@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate
 from ._autograd import first_order_only
+from ._dispatch import KERNEL_DTYPES
 from .kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd, scale_rows_
 from .torch_backend.cross_entropy import unit_class_stride
 
@@ -153,7 +153,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
 def cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
                   inplace_backward=False):
     """cross_entropy on validated (N, V) logits through the kernels: (reduced loss, lse of the lead shape)."""
-    if logits2d.dtype not in _validate.KERNEL_DTYPES:
+    if logits2d.dtype not in KERNEL_DTYPES:
         raise TypeError(f"cross_entropy: the Triton kernels take float32, bfloat16 or float16 logits, got "
                         f"{logits2d.dtype}; use backend='torch'")
     logits2d = unit_class_stride(logits2d)  # the kernels read rows with unit stride

@@ -18,6 +18,9 @@ buffer; keeping the order costs nothing per step.
 
 A model whose input embedding is tied to the head sees its embedding rows permuted with it: feed it
 `order.map_ids(input_ids)`; logits it returns are in stored order (`order.unsort(logits, dim=-1)`).
+
+The ops' own orders per call come from class counts: this batch's (class_counts, `vocab_order="batch"`) or counts
+kept across steps (running_class_counts, `LinearCrossEntropyLoss(vocab_order="running")`).
 """
 
 from __future__ import annotations
@@ -134,3 +137,29 @@ class VocabOrder:
         table = table.to(t.device)
         ok = (t >= 0) & (t < len(self))
         return torch.where(ok, table[t.clamp(0, len(self) - 1).long()].to(t.dtype), t)
+
+
+def class_counts(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """(V,) float32 count of each class among the non-ignored targets, on the targets' device, without a host sync
+    (no bincount: its output size would need one)."""
+    t = target.reshape(-1)
+    valid = (t != ignore_index) & (t >= 0) & (t < num_classes)
+    idx = torch.where(valid, t, num_classes)
+    counts = torch.zeros(num_classes + 1, device=t.device, dtype=torch.float32)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))[:num_classes]
+
+
+# Per-step decay of LinearCrossEntropyLoss's running class counts (vocab_order="running"): about 100 steps of memory.
+RUNNING_DECAY = 0.99
+
+
+def running_class_counts(counts, target: torch.Tensor, num_classes: int, ignore_index: int, update: bool = True):
+    """counts * RUNNING_DECAY + this batch's class counts, in place and on the device (no host sync); a new (V,)
+    float32 tensor of the batch's counts when counts is None or of another size or device. update=False returns
+    the counts unchanged (evaluation)."""
+    if counts is None or counts.shape != (num_classes,) or counts.device != target.device:
+        return class_counts(target, num_classes, ignore_index)
+    if update:
+        with torch.no_grad():
+            counts.mul_(RUNNING_DECAY).add_(class_counts(target, num_classes, ignore_index))
+    return counts

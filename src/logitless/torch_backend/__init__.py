@@ -9,17 +9,20 @@ statistics, the coefficients, the two heads' row statistics) are loss_math's.
 Modules, by job:
 - blocks: block sizes, chunking, a block's logits and their transform (softcap, temperature) and its chain rule;
 - linear_head: the head op's statistics (stats, head_forward) and its generic backward (head_backward);
-- fused: linear_cross_entropy's training step with a reduced loss (fused_rows, fused_linear_cross_entropy): chunks
-  of rows over the full vocabulary whose gradients are computed in the forward, three products instead of four;
+- fused: linear_cross_entropy's training step with a reduced loss (fused_rows, fused_plan, fused_cross_entropy):
+  chunks of rows over the full vocabulary whose gradients are computed in the forward, three products instead of
+  four;
 - cross_entropy: cross_entropy on given logits (the same statistics, its own backward);
-- one_class: the closed forms of a one-class head;
+- one_class: the closed forms of a one-class head (its logits, and the public ops' outputs on them);
 - two_heads: the two-head losses' row statistics and the student's backward (logitless.distill).
 
-The names other layers call are exported here.
+The names other layers call are exported here: the head op calls this backend as it calls the Triton backend
+(triton_backend.py), through stats, fused_plan and fused_cross_entropy.
 """
 
-from .fused import fused_linear_cross_entropy, fused_rows
+from .fused import fused_cross_entropy, fused_plan, fused_rows
 from .linear_head import stats
-from .one_class import one_class_logits
+from .one_class import one_class_cross_entropy, one_class_log_probs, one_class_logits, one_class_logsumexp
 
-__all__ = ["fused_linear_cross_entropy", "fused_rows", "one_class_logits", "stats"]
+__all__ = ["fused_cross_entropy", "fused_plan", "fused_rows", "one_class_cross_entropy", "one_class_log_probs",
+           "one_class_logits", "one_class_logsumexp", "stats"]

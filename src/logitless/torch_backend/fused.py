@@ -14,13 +14,13 @@ from .blocks import apply_softcap, budget_beside_products, chunks
 _MIN_FUSED_ROWS = 32
 
 def fused_rows(x, w, b, softcap, reduction) -> int:
-    """Rows per chunk of the fused path of linear_cross_entropy (fused_linear_cross_entropy), or 0 where it does
+    """Rows per chunk of the fused path of linear_cross_entropy (fused_cross_entropy), or 0 where it does
     not apply: it needs a reduced loss ("mean" / "sum"), a gradient wanted now (grad mode, an input that requires
     grad; not while torch.compile traces, which keeps the generic path), and the policy's budget
     (loss_math.default_workspace_bytes) holding chunks of at least _MIN_FUSED_ROWS full-vocabulary rows (all rows
     when there are fewer) next to the accumulators that a bfloat16 / float16 head needs in float32 (its weight, and
     the gradients until the backward) and the products' own buffers (blocks.budget_beside_products)."""
-    from .._validate import is_compiling
+    from .._dispatch import is_compiling
 
     n, D = x.shape
     V = w.shape[0]
@@ -62,9 +62,16 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return (*scale_forward_grads(ctx, g), None, None, None, None, None, None, None, None)
 
 
-def fused_linear_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap,
-                               rows):
-    """linear_cross_entropy's reduced loss on validated (N, D) / (V, D) inputs through the fused path (fused_rows
+def fused_plan(x, w, b, softcap, reduction, skip, workspace_bytes):
+    """(rows per chunk of the fused path or None where it does not apply, this call's skip resolved: nothing is
+    skipped on this backend), as the head op asks every backend (fused_rows; workspace_bytes is the Triton
+    backward's: this backend sizes its blocks by the memory policy)."""
+    rows = fused_rows(x, w, b, softcap, reduction)
+    return (rows or None), skip._replace(threshold=None, resolved=True, in_backward=False)
+
+
+def fused_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap, rows):
+    """linear_cross_entropy's reduced loss on validated (N, D) / (V, D) inputs through the fused path (fused_plan
     gives `rows`); autocast is off inside, as in linear_head.stats()."""
     with torch.autocast(x.device.type, enabled=False):
         return _FusedCrossEntropy.apply(x, w, b, target, class_w, reduction, ignore_index, float(label_smoothing),

@@ -190,12 +190,15 @@ class _HeadStats(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy, want_lse=False) -> Stats:
+def stats(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy, *, skip=None, ignore_index=-100,
+          workspace_bytes=None, want_lse=False) -> Stats:
     """The head op's statistics through this backend, differentiable with respect to x, w and b. It computes in
     the inputs' dtypes (float32 math), as the Triton kernels do: autocast, which would run its blocks' products in
     bfloat16, is off inside (the backward runs without it anyway). x may be wider than w (float32 hidden states of
     a bfloat16 head): dx then comes back in x's dtype, before any rounding to w's. want_lse: the lse statistic
-    (loss_math's module docstring)."""
+    (loss_math's module docstring). skip, ignore_index and workspace_bytes are the Triton backend's options of the
+    backward, which the head op passes to either backend: this one computes every block and sizes its blocks by the
+    memory policy."""
     cw = None if class_w is None else class_w.to(acc_dtype(x.dtype))
     with torch.autocast(x.device.type, enabled=False):
         out = _HeadStats.apply(x, w, b, target, cw, softcap, inv_temp, bool(want_smooth), bool(want_entropy),

@@ -1,10 +1,12 @@
-"""The closed forms of a head with a single class (V = 1), where the softmax is exactly 1."""
+"""The closed forms of a head with a single class (V = 1), where the softmax is exactly 1: its logits, and the
+public ops' outputs written on them (the head op runs these on either backend)."""
 
 from __future__ import annotations
 
 import torch
 
 from .._autograd import first_order_only
+from ..loss_math import acc_dtype, ce_row_terms, reduce_loss
 from . import blocks
 from .blocks import apply_softcap, chunks
 
@@ -22,6 +24,33 @@ def one_class_logits(x, w, b, softcap, inv_temp):
         z = _OneClassLinear.apply(x, w, b)
         z = apply_softcap(z, softcap)
         return z * inv_temp if inv_temp != 1.0 else z
+
+
+def one_class_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap,
+                            lead_shape):
+    """linear_cross_entropy of a one-class head: lse = z, so the cross-entropy and the smoothing are exactly 0 and
+    the z-loss is z^2. Those zeros are weighted by w_t, as PyTorch's are, so their gradient is w_t times the upstream
+    one: 0, or NaN where a "mean" over class weights that sum to 0 makes the upstream gradient infinite (PyTorch's
+    NaN, not the z-loss term's inf alone). z - z is that zero with that gradient."""
+    z = one_class_logits(x, w, b, softcap, 1.0)
+    valid, w_t, _ = ce_row_terms(target, class_w, ignore_index, label_smoothing, 1, z.dtype)
+    per_token = w_t * (z - z)
+    if z_loss > 0.0:
+        per_token = per_token + float(z_loss) * z * z
+    loss = reduce_loss(torch.where(valid, per_token, 0.0), valid, w_t, reduction, lead_shape)
+    return loss.to(acc_dtype(x.dtype))
+
+
+def one_class_log_probs(x, w, b, target, ignore_index, softcap, inv_temp, want_entropy, lead_shape):
+    """(log-probs, entropy or None) of a one-class head: log 1 = 0 and no entropy, exactly."""
+    z = one_class_logits(x, w, b, softcap, inv_temp)
+    logp = torch.where(target != ignore_index, z * 0.0, 0.0).reshape(lead_shape).to(acc_dtype(x.dtype))
+    return logp, (logp.clone() if want_entropy else None)
+
+
+def one_class_logsumexp(x, w, b, softcap, inv_temp, lead_shape):
+    """The log-sum-exp of a one-class head: lse = z, exactly."""
+    return one_class_logits(x, w, b, softcap, inv_temp).reshape(lead_shape).to(acc_dtype(x.dtype))
 
 
 class _OneClassLinear(torch.autograd.Function):

@@ -1,10 +1,11 @@
 """The two-head losses on this backend (logitless.distill): both heads' row statistics in blocks and the student's
 backward, never N x V.
 
-stats() computes loss_math.RowStats of the student head (xs, ws, bs) and the teacher head (xt, wt, bt) over token
-chunks x vocabulary chunks: pass 1 folds both heads' blocks into online log-sum-exps and the weighting head's sums;
-the JSD makes a second pass. backward() recomputes both heads' blocks vocabulary-outer and turns them into the
-student's dL/dz (loss_math.dz_student). loss() is the differentiable per-row loss; gradients reach the student only.
+two_head_stats() computes loss_math.RowStats of the student head (xs, ws, bs) and the teacher head (xt, wt, bt)
+over token chunks x vocabulary chunks: pass 1 folds both heads' blocks into online log-sum-exps and the weighting
+head's sums; the JSD makes a second pass. backward() recomputes both heads' blocks vocabulary-outer and turns them
+into the student's dL/dz (loss_math.dz_student). loss() is the differentiable per-row loss; gradients reach the
+student only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _chunk_logits(x, w, b, i0, i1, v0, v1, softcap, inv_temp):
     return blocks.linear_chunk(x[i0:i1], w[v0:v1], None if b is None else b[v0:v1], softcap, inv_temp)
 
 
-def stats(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp) -> RowStats:
+def two_head_stats(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_temp) -> RowStats:
     """RowStats in token chunks x vocabulary chunks (never N x V): pass 1 online, pass 2 for the JSD."""
     n, V = xs.shape[0], ws.shape[0]
     acc = blocks.acc_dtype(xs.dtype)
@@ -151,7 +152,7 @@ class _TwoHeadsTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp):
-        st = stats(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
+        st = two_head_stats(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
         loss, R, t_ref, t_aux = row_loss(kind, beta, st)
         ctx.save_for_backward(xs, ws, bs, xt, wt, bt, st.m_s, st.logs_s, t_ref, t_aux, R)
         ctx.opts = (kind, beta, softcap, inv_temp)
@@ -177,7 +178,7 @@ def loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp) -> torch.Tensor:
 def grads_on_own_stats(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, g, needs):
     """(dx_s, dW_s, db_s) for the upstream per-row gradient g, from this backend's own statistics of the same
     logits (a recomputed logit then meets its own row maximum exactly)."""
-    st = stats(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
+    st = two_head_stats(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp)
     _, R, t_ref, t_aux = row_loss(kind, beta, st)
     st = RowStats(st.m_s, st.logs_s, t_ref, t_aux, None, None)
     return backward(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, st, R, g, needs)
