@@ -145,7 +145,7 @@ def test_torch_compile_fullgraph_skipping(tune):
 def test_gpu_large_peaked(case, tune):
     # a trained-like peaked pair at an LM's sizes (V = 32000, D = 1024): "auto" within the rule and skipping most
     # pairs (time it with tools/gpu_distill.py --skip-threshold)
-    n, d, v = 4096, 1024, 32000
+    n, d, v = 1024, 1024, 32000  # (the float64 reference's pairwise autograd graph runs out of memory at 4096 rows)
     g = torch.Generator().manual_seed(0)
     hot = torch.randint(0, v, (n // 128, 6), generator=g)
     heads = []

@@ -208,15 +208,15 @@ def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_
     """The per-row loss `kind` (loss_math.KINDS) of two validated heads over one vocabulary, (N,) float32 (float64
     for float64 heads), differentiable with respect to the student's xs, ws and bs; through `backend`
     (choose_backend): the kernels (triton_two_heads) or the chunked PyTorch twin (torch_backend.two_heads).
-    workspace_bytes and skip_threshold (None or 0: dense; a float; "auto": bf16/fp16 only, AUTO_SKIP_UNIT, where
-    skip_gate finds that it pays) are for the Triton backward (docs/distill.md, "Skipping cold tiles")."""
+    workspace_bytes and skip_threshold (None or 0: dense; a float; "auto": bf16/fp16 only,
+    triton_backend.AUTO_SKIP_UNIT, where skip_gate finds that it pays) are for the Triton backward (docs/distill.md, "Skipping cold tiles")."""
     if backend == "triton":
-        from . import triton_two_heads
+        from . import triton_backend, triton_two_heads
 
         tau = 0.0
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, ws, bs))
         if grads and skip_threshold == "auto":
-            tau = -AUTO_SKIP_UNIT.get(xs.dtype, 0.0)
+            tau = -triton_backend.AUTO_SKIP_UNIT.get(xs.dtype, 0.0)
         elif grads and skip_threshold is not None:
             tau = float(skip_threshold)
         return triton_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes, tau)
