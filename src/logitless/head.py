@@ -209,7 +209,8 @@ def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_
     for float64 heads), differentiable with respect to the student's xs, ws and bs; through `backend`
     (choose_backend): the kernels (triton_two_heads) or the chunked PyTorch twin (torch_backend.two_heads).
     workspace_bytes and skip_threshold (None or 0: dense; a float; "auto": bf16/fp16 only,
-    triton_backend.AUTO_SKIP_UNIT, where skip_gate finds that it pays) are for the Triton backward (docs/distill.md, "Skipping cold tiles")."""
+    triton_backend.AUTO_SKIP_UNIT, where skip_gate finds that it pays) are for the Triton backward
+    (docs/distill.md, "Skipping cold tiles")."""
     if backend == "triton":
         from . import triton_backend, triton_two_heads
 
