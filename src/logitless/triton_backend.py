@@ -247,7 +247,8 @@ def resolve_skip(skip, x, weight, bias, dense_row_chunks: bool = False):
     plan (Tuning.skip_min_share)."""
     if skip.resolved:
         return skip
-    dense = skip._replace(threshold=None, resolved=True, in_backward=False)
+    # Built field by field, never with NamedTuple._replace: torch 2.11's dynamo fails on it (IndexError).
+    dense = type(skip)(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
         return dense
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
@@ -256,11 +257,11 @@ def resolve_skip(skip, x, weight, bias, dense_row_chunks: bool = False):
         return dense
     if not skip_supported(x):
         return dense
-    done = skip._replace(resolved=True, in_backward=False)
+    done = type(skip)(skip.threshold, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold != "auto":
         return done
     if is_compiling():
-        return skip._replace(resolved=True, in_backward=True)
+        return type(skip)(skip.threshold, skip.vocab_order, skip.bounded, True, True)
     tune = current_tuning()
     if skip_gate.decide(weight, tune.skip_min_share_row_chunks if dense_row_chunks else tune.skip_min_share):
         return done

@@ -67,7 +67,7 @@ def fused_plan(x, w, b, softcap, reduction, skip, workspace_bytes):
     skipped on this backend), as the head op asks every backend (fused_rows; workspace_bytes is the Triton
     backward's: this backend sizes its blocks by the memory policy)."""
     rows = fused_rows(x, w, b, softcap, reduction)
-    return (rows or None), skip._replace(threshold=None, resolved=True, in_backward=False)
+    return (rows or None), type(skip)(None, skip.vocab_order, skip.bounded, True, False)
 
 
 def fused_cross_entropy(x, w, b, target, class_w, reduction, ignore_index, label_smoothing, z_loss, softcap, rows):

@@ -170,7 +170,7 @@ class _HeadStats(torch.autograd.Function):
     def forward(ctx, x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy, want_lse):
         st, mu, rest = head_forward(x, w, b, target, class_w, softcap, inv_temp, want_smooth, want_entropy)
         if want_lse:
-            st = st._replace(lse=st.m + st.logs)
+            st = Stats(st.m, st.logs, st.zt, st.sw, st.ent, st.m + st.logs)
         empty = st.m.new_empty(0)
         out = tuple(empty.clone() if s is None else s for s in st)
         ctx.save_for_backward(x, w, b, target, class_w, st.m, st.logs, out[4], mu, rest, st.zt)
