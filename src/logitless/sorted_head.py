@@ -160,7 +160,7 @@ class SortedHead:
     # ------------------------------------------------------------------ copies (deepcopy, pickle)
     def __getstate__(self):
         state = dict(self.__dict__)
-        for k in ("_marks", "_updates", "_opt_handles", "_snapshot"):  # tied to optimizers of the original
+        for k in ("_marks", "_opt_handles", "_snapshot"):  # tied to optimizers of the original
             state.pop(k)
         return state
 
@@ -173,7 +173,6 @@ class SortedHead:
     def _init_optimizer_tracking(self):
         # optimizer -> {param: (version, positions)}: the order its state for that param is in (absent: class order)
         self._marks = weakref.WeakKeyDictionary()
-        self._updates = weakref.WeakKeyDictionary()  # optimizer -> whether it updates the weight
         self._opt_handles = []
         self._snapshot = None
 
@@ -227,11 +226,8 @@ class SortedHead:
         self._apply(self._pinned(torch.argsort(self._mass, descending=True, stable=True)))
 
     def _updated_by(self, optimizer) -> bool:
-        known = self._updates.get(optimizer)
-        if known is None:
-            known = self._updates[optimizer] = any(q is self.weight for g in optimizer.param_groups
-                                                   for q in g["params"])
-        return known
+        # Asked at each step (a group may be added later): a scan of the optimizer's parameter lists.
+        return any(q is self.weight for g in optimizer.param_groups for q in g["params"])
 
     def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Class ids (targets, input ids of a tied embedding) to their stored positions; others left as they are."""

@@ -94,11 +94,12 @@ def profile(step, batches, steps: int = 3) -> dict:
     host_ops = collections.defaultdict(float)
     spans = []
     for e in prof.events():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if e.device_type == torch.autograd.DeviceType.CUDA:
+            if getattr(e, "is_user_annotation", False):  # a range around kernels (Optimizer.step...), not one
+                continue
             kernels[e.name[:90]] += e.time_range.elapsed_us()
             spans.append((e.time_range.start, e.time_range.end))
-        elif dev_us is not None:
+        else:
             host_ops[e.name[:90]] += e.self_cpu_time_total
     busy = _busy(spans) / 1e3 / steps
     out["wall_ms"] = wall

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .._device import LOG2E, cast, mma
-from .tiles import classes, grouped, logits_tile, transform
+from .tiles import classes, cold_pair, grouped, logits_tile, transform
 
 # ------------------------------------------------------------------------------------------------------------------
 # Backward, step 1 of a vocabulary chunk: dL/dz of the chunk (and the bias gradient's per-token-block sums)
@@ -175,15 +175,8 @@ def _dz_kernel(
                      HAS_AT, FINE_SLOPE, HALF_TANH, DZ_TMA)
     else:
         pid_n, pid_v = grouped(tl.program_id(0), n_nb, n_vt, GROUP)
-        if SKIP:
-            # A cold (token block, tile) pair: no recomputation, no dz (the products never read it), no bias
-            # gradient. v_begin is a multiple of BLOCK_V, so this program's tile is one tile of the map.
-            hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
-            if hot == 0:
-                if HAS_DB:
-                    lcols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-                    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
-                             mask=lcols < v_end - v_begin)
+        if SKIP:  # v_begin is a multiple of BLOCK_V, so this program's tile is one tile of the map
+            if cold_pair(hot_ptr, dbp_ptr, pid_n, pid_v, n_vtiles, v_begin, v_end, stride_dbp, HAS_DB, BLOCK_V):
                 return
         _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr,
                  e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,

@@ -1,6 +1,6 @@
 """Triton device functions of the linear-head family, shared by its forward and backward kernels and by the two-head
 kernels: the logits of a tile, the class of a vocabulary position, the bias / softcap / temperature transform, the
-grouped program order, and the entropy sum's rescaling."""
+grouped program order, the entropy sum's rescaling, and the skip plan's cold pairs."""
 
 import triton
 import triton.language as tl
@@ -101,3 +101,18 @@ def rescale_ent(ent, s, alpha, dm):
     # underflows to 0, dm s may overflow to -inf (maxima near float32's range): the term is 0 there, not NaN.
     w = alpha * s
     return alpha * ent + tl.where(w > 0, w * dm, 0.0)
+
+
+@triton.jit
+def cold_pair(hot_ptr, dbp_ptr, pid_n, pid_v, n_vtiles, v_begin, v_end, stride_dbp,
+              HAS_DB: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Whether the dz kernels' (token block pid_n, tile pid_v of the chunk from v_begin, a multiple of BLOCK_V) pair
+    is cold in the skip plan's (blocks, tiles) map hot_ptr. A cold pair is neither recomputed nor stored (the
+    products read hot pairs only); its bias-gradient partials are written here as zeros."""
+    cold = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v) == 0
+    if HAS_DB:
+        if cold:
+            lcols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+            tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
+                     mask=lcols < v_end - v_begin)
+    return cold

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from .._device import LOG2E, cast, exp, mma
-from ..linear_head.tiles import grouped, logits_tile, rescale_ent, transform
+from ..linear_head.tiles import cold_pair, grouped, logits_tile, rescale_ent, transform
 
 
 @triton.jit
@@ -347,15 +347,8 @@ def _two_dz_kernel(
                           BLOCK_K, EVEN_KS, EVEN_KT, DOT_PRECISION, UPCAST, USE_TMA, FUSED, HALF_TANH, FINE_SLOPE)
     else:
         pid_n, pid_v = grouped(tl.program_id(0), n_nb, n_vt, GROUP)
-        if SKIP:
-            # A cold (token block, tile) pair of the skip plan (never persistent): no recomputation, no dz (the
-            # products read hot pairs only), a zero bias gradient. v_begin is a multiple of BLOCK_V.
-            hot = tl.load(hot_ptr + pid_n.to(tl.int64) * n_vtiles + v_begin // BLOCK_V + pid_v)
-            if hot == 0:
-                if HAS_DB:
-                    lcols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-                    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
-                             mask=lcols < v_end - v_begin)
+        if SKIP:  # the skip plan's cold pairs (never persistent)
+            if cold_pair(hot_ptr, dbp_ptr, pid_n, pid_v, n_vtiles, v_begin, v_end, stride_dbp, HAS_DB, BLOCK_V):
                 return
         _two_dz_tile(pid_n, pid_v, xs_ptr, ws_ptr, bs_ptr, xt_ptr, wt_ptr, bt_ptr, stats_ptr, r_ptr, g_ptr, dz_ptr,
                      dbp_ptr, N, Ds, Dt, v_begin, v_end, sxs_n, sxs_d, sws_v, sws_d, sxt_n, sxt_d, swt_v,
