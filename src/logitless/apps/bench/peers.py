@@ -66,7 +66,13 @@ def torch_lce(job: str) -> Callable:
 # Liger-Kernel and Cut Cross-Entropy
 
 
-def liger(job: str, accum_dtype=None) -> Callable:
+def liger(job: str, accum_dtype=None, chunk_mem_const=None) -> Callable:
+    if job == "train" and chunk_mem_const is not None:
+        # The chunk size is an option of Liger's functional form only.
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return lambda x, w, t: liger_fused_linear_cross_entropy(x, w, t, accum_dtype=accum_dtype,
+                                                                chunk_mem_const=chunk_mem_const)
     if job == "train":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

@@ -207,6 +207,24 @@ def _logitless_dense() -> Provider:
     )
 
 
+def _logitless_lean() -> Provider:
+    import logitless
+
+    base = _logitless("triton")
+
+    def train():
+        return lambda x, w, t: logitless.linear_cross_entropy(x, w, t, backend="triton", skip_threshold=None,
+                                                             workspace_bytes=0)
+
+    return Provider(
+        name="logitless-triton-lean",
+        description="logitless, backend='triton', workspace_bytes=0, skip_threshold=None (the lean plan: its "
+                    "bound is in docs/design/backward.md)",
+        jobs={"train": train}, unavailable=base.unavailable, cpu_default=False, gpu_default=False,
+        version=base.version,
+    )
+
+
 def _logitless_always_skip() -> Provider:
     import logitless
     from logitless import kernels
@@ -240,6 +258,7 @@ def _registry() -> list[Provider]:
         _logitless_workspace(),
         _logitless_dense(),
         _logitless_always_skip(),
+        _logitless_lean(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
                  {job: functools.partial(lambda j: EAGER[j], job) for job in EAGER},
@@ -253,6 +272,11 @@ def _registry() -> list[Provider]:
         Provider("liger", "Liger-Kernel: LigerFusedLinearCrossEntropyLoss (train), LigerCrossEntropyLoss (ce)",
                  {job: functools.partial(liger, job) for job in ("train", "ce")},
                  unavailable=_triton_device(liger_import), cpu_default=False,
+                 version=_dist_version("liger-kernel")),
+        Provider("liger-c8", "Liger-Kernel's fused linear cross-entropy with chunk_mem_const=8 (its documented "
+                 "chunk-size setting: 8 x larger row chunks than its default)",
+                 {"train": functools.partial(liger, "train", chunk_mem_const=8)},
+                 unavailable=_triton_device(liger_import), cpu_default=False, gpu_default=False,
                  version=_dist_version("liger-kernel")),
         Provider("liger-jsd", "Liger-Kernel: LigerFusedLinearJSD(jsd_beta=0.5) (distill)",
                  {"distill": functools.partial(liger_jsd, "distill")},
