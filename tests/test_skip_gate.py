@@ -71,6 +71,24 @@ def test_default_skips_a_peaked_head_and_stays_within_the_rule(plans):
     assert_within_rule("d_weight", dw, pt[1].grad, ref[1].grad)
 
 
+def test_deterministic_calls_do_not_follow_the_gate(plans):
+    # "auto" probes the skipping plan on the second call of a head: the same call then gives other bits (within the
+    # rule). deterministic=True runs the dense plans on every call, whatever the head's record says.
+    x, w, t = peaked_head()
+    auto = []
+    for _ in range(2):
+        w.grad = None
+        auto.append(tuple(g.clone() for g in step(x, w, t)[1:]))
+    assert len(plans) == 1 and not all(torch.equal(a, b) for a, b in zip(*auto, strict=True))
+    fixed = []
+    for _ in range(3):
+        w.grad = None
+        fixed.append(tuple(g.clone() for g in step(x, w, t, deterministic=True)[1:]))
+    assert len(plans) == 1  # no skipping plan made
+    assert all(torch.equal(a, b) for run in fixed[1:] for a, b in zip(fixed[0], run, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fixed[0], auto[0], strict=True))  # the dense plans' bits
+
+
 def test_a_near_certain_batch_keeps_its_gradient(plans):
     # Every row ~1 - 2e-6 sure of its target: the whole gradient is the cold classes' mass, and PyTorch's error in it
     # is relative to that mass, so the budget (scaled by each row's mass outside its top class) skips nothing.

@@ -6,7 +6,10 @@
         [--softcap 30]
     PYTHONPATH=src python tools/gpu_ab.py --kernels cross_entropy --old old/src/logitless/kernels [--rounds 6]
 
-A version is a kernels package (the folder src/logitless/kernels of some revision) with a kernels.Tuning. "A" is the
+A version is a kernels package (the folder src/logitless/kernels of some revision) with a kernels.Tuning. The
+package is swapped under the public functions, which holds for revisions whose backends looked their launchers up
+through the package at each call; today's backends import them by name, so to time against a revision from since,
+compare whole revisions in processes of their own with tools/gpu_ab_src.py. "A" is the
 package given by --old, "B" the package's own; each --set adds a version C, D, ... of the package's own kernels with
 Tuning fields changed (comma-separated name=value, e.g. "stash_logits=False,scratch_bytes=0"), and each --also
 another package, named on after them (linear_head only). Without --old (linear_head), A is the package's own and the

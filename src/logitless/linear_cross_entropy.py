@@ -66,9 +66,12 @@ def linear_cross_entropy(
         softcap: positive logit cap (Gemma 2), or None.
         backend: "auto" (Triton on CUDA when available, else PyTorch; ``$LOGITLESS_BACKEND`` overrides),
             "triton" or "torch".
-        deterministic: ask for gradients that are bitwise identical run to run. Both backends already give them
-            (the Triton backward uses no atomics; its kernels reduce in a fixed order and its cuBLAS products are
-            reproducible on a given GPU), so this never changes the result.
+        deterministic: gradients that are bitwise identical run to run, whatever the calls before. Both backends'
+            plans give them (the Triton backward uses no atomics; its kernels reduce in a fixed order and its
+            cuBLAS products are reproducible on a given GPU). What can differ between two identical calls is the
+            plan: with ``skip_threshold="auto"`` each call chooses between the dense and the skipping plans from
+            the head's earlier calls (both within the precision rule, not the same bits). ``deterministic=True``
+            runs the dense plans in place of ``"auto"``; a numeric ``skip_threshold`` skips on every call.
         skip_threshold: the largest fraction of each row's probability mass whose gradient the Triton backward may
             skip (cold tiles of the softmax, neither recomputed nor multiplied); each gradient row then changes by
             at most that fraction times its coefficient (in L1 over the classes). ``"auto"``: for bfloat16 / float16
@@ -123,6 +126,8 @@ def linear_cross_entropy(
     h = _validate.linear_head(input, linear_weight, target, linear_bias, ignore_index, weight=weight,
                               process_group=process_group, backend=backend, op="linear_cross_entropy")
     _validate.check_skip_options(skip_threshold, vocab_order, h.weight.shape[0], h.x.device)  # a tensor of counts
+    if deterministic and isinstance(skip_threshold, str):  # "auto" depends on the head's history (skip_gate)
+        skip_threshold = None
     # Label smoothing adds -E w_j to every class's gradient: a skipped tile would lose that too, so no skipping.
     skip = head.Skip(skip_threshold, vocab_order, bounded=label_smoothing == 0.0)
     return head.linear_cross_entropy(h, reduction, ignore_index, label_smoothing, z_loss, softcap, skip=skip,

@@ -174,10 +174,28 @@ class _PairwiseDivergence(torch.autograd.Function):
             gap = lt - ls
             dz = torch.where((ps > 0) & (gap < 700.0), -ps * torch.expm1(gap.clamp(max=700.0)), ps - pt)
         else:
-            diff = f[..., :, None] - f[..., None, :]  # f_j - f_k
-            terms = torch.where(ps[..., None, :] > 0, ps[..., None, :] * diff, 0.0)
-            dz = torch.where(ps > 0, ps * terms.sum(-1), 0.0) * ctx.scale
+            dz = _pairwise_sums(ps, f)
+            dz = torch.where(ps > 0, ps * dz, 0.0) * ctx.scale
         return dz * g[..., None], None, None, None
+
+
+PAIRWISE_BLOCK = 1 << 26  # elements of one (rows, classes j, classes k) block of _pairwise_sums: 512 MiB in float64
+
+
+def _pairwise_sums(ps, f):
+    """sum_k p_k (f_j - f_k) for every class j, each difference formed before it is weighted (no cancellation between
+    two large sums), in blocks of rows and of classes j that hold at most PAIRWISE_BLOCK elements at once."""
+    V = f.shape[-1]
+    p2, f2 = ps.reshape(-1, V), f.reshape(-1, V)
+    out = torch.empty_like(f2)
+    cols = max(1, min(V, PAIRWISE_BLOCK // V))
+    rows = max(1, PAIRWISE_BLOCK // (cols * V))
+    for r in range(0, f2.shape[0], rows):
+        pk = p2[r:r + rows, None, :]
+        for c in range(0, V, cols):
+            diff = f2[r:r + rows, c:c + cols, None] - f2[r:r + rows, None, :]  # f_j - f_k
+            out[r:r + rows, c:c + cols] = torch.where(pk > 0, pk * diff, 0.0).sum(-1)
+    return out.reshape(f.shape)
 
 
 def naive_two_heads(student_input, student_weight, teacher_input, teacher_weight, *, kind="fkl", beta=0.5,
