@@ -95,7 +95,7 @@ def _worker(device: str) -> None:
             torch.save([o.detach().float().cpu() for o in outs], path)
             print(json.dumps({"path": path}), flush=True)
         elif req["op"] == "time":
-            ms = timed(lambda: call(req["shape"], req["case"]), req["reps"])
+            ms = timed(lambda r=req: call(r["shape"], r["case"]), req["reps"])
             print(json.dumps({"ms": ms}), flush=True)
         else:
             return
