@@ -123,3 +123,32 @@ def test_a_diverging_variant_is_refused(monkeypatch, time_failing):
     assert res["variants"]["hf-compile"]["check"] == "ok" and res["variants"]["hf-compile"]["median_ms"] == 10.0
     text = finetune_report.tables(res)
     assert "FAIL" in text and "diverge" in text
+
+
+def test_profile_busy_time_is_the_union_of_kernel_intervals():
+    from logitless.apps.bench.finetune_profile import busy
+
+    assert busy([]) == 0.0
+    assert busy([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart
+    assert busy([(0.0, 4.0), (1.0, 2.0), (3.0, 6.0)]) == 6.0  # one inside another, one overlapping its end
+    assert busy([(3.0, 6.0), (0.0, 4.0)]) == 6.0  # in any order
+
+
+@pytest.mark.gpu
+def test_profile_finds_a_synchronising_step():
+    # A step whose .item() waits for the device: the sync sites name it, and the device's busy time is within the
+    # profiled wall time.
+    import torch
+
+    from logitless.apps.bench.finetune_profile import profile
+
+    w = torch.randn(1024, 1024, device="cuda")
+
+    def step(ids):
+        return float((ids @ w).sum().item())
+
+    out = profile(step, [torch.randn(512, 1024, device="cuda") for _ in range(3)], steps=2)
+    assert out["sync_sites"], out
+    assert out["event_ms"] > 0 and out["issue_ms"] > 0
+    assert 0 < out["gpu_busy_ms"] <= out["wall_ms"] + 1e-3
+    assert out["kernels_ms"] and all(t >= 0 for _, t in out["kernels_ms"])

@@ -47,7 +47,7 @@ def _sync_sites(step, ids) -> list[str]:
     return [f"{n} x {s}" for s, n in sites.most_common(12)]
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
+def busy(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
     total, end = 0.0, -float("inf")
     for a, b in sorted(intervals):
@@ -101,7 +101,7 @@ def profile(step, batches, steps: int = 3) -> dict:
             spans.append((e.time_range.start, e.time_range.end))
         else:
             host_ops[e.name[:90]] += e.self_cpu_time_total
-    busy = _busy(spans) / 1e3 / steps
+    busy = busy(spans) / 1e3 / steps
     out["wall_ms"] = wall
     out["gpu_busy_ms"] = busy
     out["gpu_idle_ms"] = wall - busy
