@@ -101,10 +101,10 @@ def profile(step, batches, steps: int = 3) -> dict:
             spans.append((e.time_range.start, e.time_range.end))
         else:
             host_ops[e.name[:90]] += e.self_cpu_time_total
-    busy = busy(spans) / 1e3 / steps
+    busy_ms = busy(spans) / 1e3 / steps
     out["wall_ms"] = wall
-    out["gpu_busy_ms"] = busy
-    out["gpu_idle_ms"] = wall - busy
+    out["gpu_busy_ms"] = busy_ms
+    out["gpu_idle_ms"] = wall - busy_ms
     out["kernels_ms"] = [(n, t / 1e3 / steps) for n, t in sorted(kernels.items(), key=lambda x: -x[1])[:25]]
     out["host_ops_ms"] = [(n, t / 1e3 / steps) for n, t in sorted(host_ops.items(), key=lambda x: -x[1])[:25]]
     return out
