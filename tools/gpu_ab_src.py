@@ -13,10 +13,11 @@ between rounds, to time one case: a warm-up call, then the median of --reps call
 is the median over rounds per version, with its spread, and each version over A. A version given twice (a null
 version, e.g. `--src C=src`) shows the noise of the method at that shape: compare differences against it.
 
-Cases, through the public functions with backend="triton": `logp` no-grad log-probs with entropy, `fwd` the mean
-loss without grad, `fwdbwd` the mean loss with the gradients of input and weight. Before timing, every version's
-outputs of each case are compared with A's (largest difference relative to A's largest entry), a sanity check of
-what is timed.
+Cases, through the public functions with backend="triton": `logp` no-grad log-probs with entropy, `logp_bwd`
+log-probs with the gradients of input and weight for a random upstream per token (reduction "none", RL's shape),
+`fwd` the mean loss without grad, `fwdbwd` the mean loss with the gradients of input and weight. Before timing,
+every version's outputs of each case are compared with A's (largest difference relative to A's largest entry), a
+sanity check of what is timed.
 
 `--device cpu` (with TRITON_INTERPRET=1, small shapes) checks the tool itself on a machine without a GPU.
 """
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 
-CASES = ("logp", "fwd", "fwdbwd")
+CASES = ("logp", "logp_bwd", "fwd", "fwdbwd")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,14 +56,18 @@ def _worker(device: str) -> None:
             x = torch.randn(n, d, device=device, generator=g).to(torch.bfloat16)
             w = (torch.randn(v, d, device=device, generator=g) * d**-0.5).to(torch.bfloat16)
             t = torch.randint(0, v, (n,), device=device, generator=g)
-            heads[shape] = (x, w, t, x.detach().requires_grad_(), w.detach().requires_grad_())
+            up = torch.randn(n, device=device, generator=g)
+            heads[shape] = (x, w, t, x.detach().requires_grad_(), w.detach().requires_grad_(), up)
         return heads[shape]
 
     def call(shape, case):
-        x, w, t, xl, wl = head(shape)
+        x, w, t, xl, wl, up = head(shape)
         if case == "logp":
             with torch.no_grad():
                 return logitless.linear_log_probs(x, w, t, backend="triton", return_entropy=True)
+        if case == "logp_bwd":
+            lp = logitless.linear_log_probs(xl, wl, t, backend="triton")
+            return (lp.detach(), *torch.autograd.grad(lp, (xl, wl), up))
         if case == "fwd":
             with torch.no_grad():
                 return (logitless.linear_cross_entropy(x, w, t, backend="triton"),)
@@ -169,7 +174,7 @@ def run(workers: list[Worker], shapes, cases, rounds: int, reps: int, tmp: str) 
     return res
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", action="append", default=[], metavar="NAME=DIR",
                     help="a version: a name and a revision's src folder (repeatable; the first is A)")
@@ -180,7 +185,7 @@ def main():
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.worker:
         return _worker(a.device)
     if len(a.src) < 2:
@@ -205,6 +210,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":
