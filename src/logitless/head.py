@@ -235,8 +235,8 @@ def logits_cross_entropy(logits2d, target, lead_shape, weight, reduction, ignore
         chosen = "torch"  # float64 has no kernels
     if logits2d.shape[1] == 1:
         # One class: the loss is the z-loss alone (lse = z) and the rest is exactly 0. On a GPU the kernel left an
-        # ulp there (1e-8 with softcap, measured on an H100) where PyTorch gives 0; the PyTorch path transforms the
-        # logits once and gets the exact zeros. N values: nothing to fuse.
+        # ulp there where PyTorch gives 0 (docs/cross_entropy.md); the PyTorch path transforms the logits once and
+        # gets the exact zeros. N values: nothing to fuse.
         chosen = "torch"
     # No backward can run without grad mode (torch.no_grad, inference): then nothing is overwritten, on either path.
     inplace_backward = inplace_backward and torch.is_grad_enabled()

@@ -98,8 +98,8 @@ def linear_cross_entropy(
             gradient its own buffer, which removes the second pass that recomputes the logits of the weight-gradient
             rows it would otherwise borrow (bfloat16 / float16); the rest widens the vocabulary chunks (up to 8192
             classes) and holds split partials. ``0`` (anything up to 8 MiB): the leanest plan, 8 MiB. A number: that
-            budget, spent the same way (on an H200 at the benchmark's shapes, ``4 * N * D + 256 MiB`` made forward +
-            backward 1-10% faster than the leanest plan; BENCHMARKS.md). The result does not depend on it beyond
+            budget, spent the same way (at the benchmark's shapes ``4 * N * D + 256 MiB`` made forward + backward
+            faster than the leanest plan: docs/usage.md, BENCHMARKS.md). The result does not depend on it beyond
             float32 summation order. With bf16 inputs, D >= 2048 and a reduced loss whose gradient is wanted, the
             default budget is half of the bf16 logits (``N * V`` bytes) and buys the row-chunk plan (the gradients
             in the forward over chunks of full rows of logits, three products; docs/design/row_chunks.md), whose

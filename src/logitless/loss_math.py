@@ -37,10 +37,9 @@ import torch
 # The default memory policy of both backends (workspace_bytes=None): beyond O(N), the work may take the larger of a
 # fifth of the bytes that the N x V logits would take in bf16 (2 N V / 5 bytes, whatever the dtype) and, where the
 # input's gradient is accumulated in float32 (the Triton backward of a bf16 / fp16 head), that accumulator (4 N D
-# bytes) plus POLICY_MIN_BYTES. Both terms are measured choices (H100, docs/design/backward.md, "The default
-# budget"): the accumulator removes a second pass over 2N classes, 13-26% of fwd+bwd at V = 32000 and D = 4096-5120
-# (there 4 N D is 25-32% of the bf16 logits); a fifth gives gpt2's head (16384, 768, 50257) vocabulary chunks of
-# 8192 classes where a tenth gave 3328, 1-7% faster, at 304 MiB, under a tenth of torch.compile's 3.1 GB. Tests
+# bytes) plus POLICY_MIN_BYTES. Both terms are measured choices: the accumulator removes a second pass over 2N
+# classes where D is large next to V, and a fifth gives small-vocabulary heads such as gpt2's chunks of 8192 classes,
+# still a small fraction of what torch.compile holds (docs/design/backward.md, "The default budget"). Tests
 # shrink POLICY_MIN_BYTES to reach the plans of larger heads at small shapes.
 POLICY_MIN_BYTES = 16 << 20
 POLICY_LOGITS_DIVISOR = 5

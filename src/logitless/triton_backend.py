@@ -46,8 +46,8 @@ _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor
 def _has_rest(target, perm, want_entropy) -> bool:
     """Whether the forward sums rest = sum_{j != t} exp(z_j - m) for the backward's 1 - p_t: with the entropy and a
     target (not with a vocabulary order, whose kernels would find the target's column by a compare in every tile).
-    Not for every target: summed in every forward (the loss alone too), it made the forward 8-20% slower on an
-    H100 (llama3-8b's head: 25.1 -> 30.1 ms), for a precision that only near-certain rows' target column needs."""
+    Not for every target: summed in every forward (the loss alone too), it made the forward markedly slower, for a
+    precision that only near-certain rows' target column needs (docs/design/forward.md, "Tried and rejected")."""
     return target is not None and perm is None and bool(want_entropy)
 
 

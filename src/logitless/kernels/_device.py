@@ -31,8 +31,8 @@ def tanh_slope(y, FINE: tl.constexpr = False, HALF: tl.constexpr = False):
     exponential tanh already takes: no cancellation where tanh saturates (1 - th^2 there was 20-60x PyTorch's
     float32 error), a few ulp everywhere, and no second exponential.
     HALF (bf16 / fp16 heads, whose logits PyTorch rounds to 2^-9 or 2^-12): y - y^3 / 3 below 1/16 and
-    (1 - t) / (1 + t) from there, both within 2e-6 relative, in a third fewer instructions per element (softcap
-    30, H100: fwd+bwd 2-6% faster, all of it in the backward's recomputing dz tiles)."""
+    (1 - t) / (1 + t) from there, both within 2e-6 relative, in a third fewer instructions per element, which the
+    backward's recomputing dz tiles gain from (docs/math.md, "Temperature and softcap")."""
     a = tl.abs(y)
     t = tl.exp(-2.0 * a)
     big = (1.0 - t) / (1.0 + t)
@@ -48,7 +48,7 @@ def tanh_slope(y, FINE: tl.constexpr = False, HALF: tl.constexpr = False):
         # Near 0, 1 - th^2 (no cancellation while th^2 < 0.09): 0.25 ulp on average where 4 t / (1 + t)^2 is 0.7,
         # which a d_input that cancels 34-fold (V = 2, two nearly equal head rows) made 3 x PyTorch's error. For
         # float32 dz only: a bf16 / fp16 dz rounds far coarser, and in the 128 x 256 dz tiles this form made the
-        # kernel 2 x slower (H100).
+        # kernel much slower (docs/math.md, "Temperature and softcap").
         slope = tl.where(a < 0.3, 1.0 - th * th, slope)
     return th, slope
 

@@ -123,13 +123,12 @@ class Tuning:
     ce_min_block_v: int = 1024
     # In place, rows longer than one tile: program i reads work unit i (tiles of a row block) for the statistics and
     # writes the gradient of the unit this many bytes of logits earlier (at least a whole row block), by then
-    # published and still in L2. H200 (bf16, 16384 x 128256 and 8192 x 256000): 8 MiB read 5% of the logits twice
-    # from DRAM under Nsight Compute, 32 MiB all of them; 2.6 ms against 3.3-3.4 ms for a second launch. None: a
-    # second launch (two reads from DRAM).
+    # published and still in L2: a longer lag lets the second read miss, a second launch reads twice from DRAM
+    # (docs/cross_entropy.md, "The Triton kernels"). None: a second launch (two reads from DRAM).
     ce_inplace_lag_bytes: int | None = 8 << 20
     # ... and at most this many seconds of the device's peak DRAM bandwidth: the lag is best at about the same time
-    # of traffic on each GPU, not the same bytes. H100 (3.35 TB/s: 6.0 MB, 184 units): 3.43-3.45 / 3.66 ms at lags
-    # of 128-192 units against 3.79 / 3.84 ms at 256; an H200 (4.8 TB/s) keeps the 8 MiB it was tuned at.
+    # of traffic on each GPU, not the same bytes: a GPU with less bandwidth than the one it was tuned on gets a
+    # shorter lag (docs/cross_entropy.md, "Measured").
     ce_inplace_lag_seconds: float = 1.8e-6
     ce_inplace_tiles_per_program: int = 2  # 4 was slower in place (docs/cross_entropy.md)
     # The statistics alone (no gradient in the launch): tiles of ce_stats_tile_elems, ce_stats_tiles per program, in

@@ -133,9 +133,8 @@ def stats_block(n: int, V: int, temporaries: bool, item: int) -> tuple[int, int]
     accumulation dtype: budget_block's shape with the whole budget beside the products' buffers for the block (and
     a temporary of its size for the smoothing and the entropy, linear_head._RowStats.update), since the forward
     holds nothing else of that size. Fewer blocks, hence calls, than the backward's half budget: on a loaded 2-core
-    machine each call waits for both threads (at (512, 128, 32000), 2 threads, 4 blocks against 8: 290 ms against
-    480; 1 thread: 80 against 76). Full-vocabulary rows, as many blocks, were slower (340 ms, and 87 with 1 thread):
-    each block's product packs all of W."""
+    machine each call waits for both threads. Full-vocabulary rows, as many blocks, were slower: each block's
+    product packs all of W (docs/design/backward.md, "The PyTorch path (CPU)")."""
     return budget_block(n, V, temporaries, share=1, item=item, budget=budget_beside_products(n, V))
 
 

@@ -163,8 +163,8 @@ def _dz_kernel(
     if PERSISTENT:
         # n_progs programs walk the tiles in the same grouped order, one loop over tiles and their products'
         # steps (flattened): the pipeline loads the next tile's operands while this tile's epilogue runs, and its
-        # copy-engine store drains during the next tile's products. (H100, one chunk, tools/gpu_dz.py: 4-13% faster
-        # than one program per tile, dz bitwise equal.) No early return in a loop: not with SKIP.
+        # copy-engine store drains during the next tile's products: faster than one program per tile, dz bitwise
+        # equal (docs/design/backward.md, "The dz kernel, persistent"). No early return in a loop: not with SKIP.
         for tile in tl.range(tl.program_id(0), n_nb * n_vt, n_progs, flatten=True):
             pid_n, pid_v = grouped(tile, n_nb, n_vt, GROUP)
             _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,

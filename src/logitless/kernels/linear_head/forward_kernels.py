@@ -87,8 +87,7 @@ def _fwd_step(
         if STASH_TMA:
             # The copy engine writes the transposed tile from shared memory (rows past N fall outside the
             # descriptor's bounds and are not written): no pointer tensor of the tile in registers, whose scattered
-            # stores spilled (H200: the stashing loop's extra time fell from ~1 ms to ~0.6 ms a forward at
-            # gemma2-2b).
+            # stores spilled (docs/design/stash.md, "The forward's store").
             zs_out.store([col0.to(tl.int32), row0.to(tl.int32)], tl.trans(d))
         else:
             zs = zs_out + (col0 * N + row0)

@@ -324,7 +324,8 @@ class _Backward:
             bv, stages, ox, ow = cfg.cap_dz_block_v, cfg.cap_dz_stages or cfg.fwd_stages, self.cap_x, self.cap_w
         n_tiles = self.n_blocks * cdiv(v1 - v0, bv)
         # Recomputing chunks whose dz the copy engine can store: a persistent grid (see _dz_kernel). Not with the
-        # entropy's term or a softcap, whose longer epilogues it made 2-5% and 0-2% slower (H100).
+        # entropy's term or a softcap, whose longer epilogues it made slower (docs/design/backward.md, "The dz
+        # kernel, persistent").
         persistent = (cfg.dz_persistent and self.dz_tma and store and not stashed and not self.skip
                       and B is None and self.softcap is None and tma_ok(dz))
         dz_desc = configs.descriptor(dz, [cfg.block_n, bv]) if persistent else None
@@ -407,8 +408,8 @@ class _Backward:
         if split > 1 and self.dx_part is None:
             self.dx_part = torch.zeros((split - 1, N, D), **self.f32)
             # Dealt out only where the plan skips most pairs: there the few rows that need every tile set the
-            # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves (H100,
-            # Gemma 3 270M's head, 91% skipped: 11.1 -> 9.5 ms at D = 640; 68%: 13.7 -> 16.2 ms).
+            # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves
+            # (docs/design/skipping.md, "What was measured").
             hot = self.sp.hot
             self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
                             ).to(torch.int32)

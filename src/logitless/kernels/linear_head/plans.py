@@ -337,9 +337,8 @@ def _scratch_cols(N: int, elt: int, block: int, aligned: bool = False, scratch: 
                   wide: int | None = None) -> int:
     # Classes of dz in a scratch of `scratch` bytes (Tuning.scratch_bytes by default). Aligned, a chunk of one tile may
     # need more than that (N > scratch / (elt * block)). A caller's larger scratch widens the chunks up to `wide`
-    # classes (cfg.wide), never below what the default scratch gives: wider ones measured slower (H200, interleaved:
-    # 29.2 -> 27.7 ms at N, D, V = 4096, 4096, 128256 and 63.9 -> 62.4 ms at gemma2-2b with chunks of 32768 and
-    # 16384 classes capped to 8192).
+    # classes (cfg.wide), never below what the default scratch gives: wider ones measured slower
+    # (docs/design/backward.md, "The scratch's chunk width").
     base = current_tuning().scratch_bytes
     scratch = base if scratch is None else scratch
     cols = max(1, scratch // max(1, N * elt))

@@ -72,8 +72,8 @@ def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
         main = rows // 8 * 8
         if rows != main and main and dz.stride(1) == 1 and dz.stride(0) % 8 == 0:
             # cuBLAS's products leave their fast path at a class count that is not a multiple of 8 (the last chunk
-            # of an odd vocabulary; H100, N = 16384, D = 3584: 5.7 + 6.3 ms at 7015 classes, 1.1 + 1.1 ms at
-            # 7016): the aligned classes, then the few left (dz's rows are 16-byte aligned: plans.dz_cols)
+            # of an odd vocabulary, several times slower: docs/design/backward.md, "Odd vocabularies"): the
+            # aligned classes, then the few left (dz's rows are 16-byte aligned: plans.dz_cols)
             _products_torch(dz[:, :main], x, wc[:main], None if dw_rows is None else dw_rows[:main], dx_acc,
                             accumulate)
             _products_torch(dz[:, main:], x, wc[main:], None if dw_rows is None else dw_rows[main:], dx_acc,

@@ -14,8 +14,8 @@ from ..linear_head.configs import Config, fp32_config
 def gpu_config() -> Config:
     """bfloat16 / float16 on a GPU with the copy engine. Two accumulators of logits are live at once, so the tiles
     are half the single-head forward's (128 x 256 fp32 would need every register of the thread for the accumulators
-    alone). H100 sweep (docs/distill.md): 4 stages against 3 made the forward 15% and the backward 8% faster; 5-6
-    stages, 64 x 256, block_k 32 or 128, 16 warps and both heads in one reduction loop were no faster. The forward
+    alone). From the tile sweep (docs/distill.md, "Measured"): 4 stages rather than 3; 5-6 stages, 64 x 256,
+    block_k 32 or 128, 16 warps and both heads in one reduction loop were no faster. The forward
     fields (block_n, block_v, block_k, fwd_warps, fwd_stages) serve the forward and dz kernels, dz_block_v the dz
     kernel's classes, and wide the backward's widest first-pass chunk; the gradient products are cuBLAS's."""
     return Config(block_n=128, block_v=128, block_k=64, fwd_warps=8, fwd_stages=4,
