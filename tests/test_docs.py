@@ -131,3 +131,77 @@ def test_readme_python_snippets_run():
         exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the repository's own documentation
         ran += 1
     assert ran == len(blocks) - 1 - skipped
+
+
+# A commit hash in prose: a reader of a release cannot resolve it (the date of the code says what is meant).
+_HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def _prose_files() -> list[Path]:
+    files = [ROOT / name for name in ("BENCHMARKS.md", "README.md", "CONTRIBUTING.md")]
+    return [f for f in files if f.is_file()] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def _commits(words: set[str]) -> set[str]:
+    """The words that name a commit of this repository (skips without git or outside a work tree)."""
+    try:
+        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=ROOT, capture_output=True,
+                                text=True)
+    except OSError:
+        pytest.skip("git is not available")
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        pytest.skip("not inside a git work tree")
+    ordered = sorted(words)
+    out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True, check=True,
+                         input="".join(f"{w}^{{commit}}\n" for w in ordered))
+    # One line per query: "<sha> commit <size>" for a commit; "<query> missing" or "... ambiguous" otherwise.
+    answers = out.stdout.splitlines()
+    return {w for w, a in zip(ordered, answers, strict=True) if a.split()[1:2] == ["commit"]}
+
+
+def test_no_commit_hash_in_prose():
+    sites = [(f, i, m.group()) for f in _prose_files()
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+             for m in _HEX_WORD.finditer(line)]
+    commits = _commits({w for _, _, w in sites}) if sites else set()
+    bad = [f"{f.relative_to(ROOT)}:{i}: {w}" for f, i, w in sites if w in commits]
+    assert not bad, "name the date of the code instead of its commit:\n" + "\n".join(bad)
+
+
+def test_the_commit_check_finds_a_commit():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    sha = head.stdout.strip()
+    assert _commits({sha[:7], sha, "0000000", "deadbeefdeadbeef"}) == {sha[:7], sha}
+
+
+# Source comments and docstrings give the reason; the measured ms and the GPU live in the docs pages (apps/bench's
+# report strings name devices as data, and it is left out).
+_MEASURED = re.compile(r"\bH[12]00\b|\d ms\b")
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text(encoding="utf-8")
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                first = node.body[0].lineno
+                out += [(first + k, line) for k, line in enumerate(doc.splitlines())]
+    return out
+
+
+def test_no_measurement_in_source_comments():
+    src = ROOT / "src" / "logitless"
+    bench = src / "apps" / "bench"
+    bad = [f"{path.relative_to(ROOT)}:{line}: {text.strip()[:120]}"
+           for path in sorted(src.rglob("*.py")) if bench not in path.parents
+           for line, text in _comments_and_docstrings(path) if _MEASURED.search(text)]
+    assert not bad, "move the measurement to BENCHMARKS.md or docs/design, keep the reason:\n" + "\n".join(bad)
