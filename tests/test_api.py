@@ -1,7 +1,7 @@
 """The public API, pinned: each public name of the package's public modules with its parameters (names, kinds,
 defaults, as inspect.signature gives them, without annotations), the public methods and properties of its classes,
 and kernels.Tuning's fields with their defaults. An API change fails here with a message naming what changed: if
-the change is meant, update PINNED in the same commit (and README.md, docs/ and the changelog of the release)."""
+the change is meant, update PINNED in the same commit (and README.md and docs/ where they show it)."""
 
 from __future__ import annotations
 
