@@ -166,21 +166,3 @@ def assert_compiled_matches_eager(loss_fn, x, w, b, t, compile_backend="inductor
     torch.testing.assert_close(comp, eager)
     for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
         torch.testing.assert_close(gc, ge)
-
-
-def spy_launches(monkeypatch, module, name: str, record):
-    """Wraps the Triton kernel `module.name` until the test ends: each launch `kernel[grid](...)` appends
-    record(grid, its keyword arguments) to the list returned, then runs."""
-    seen, real = [], getattr(module, name)
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                seen.append(record(grid, kw))
-                return launch(*a, **kw)
-            return run
-
-    monkeypatch.setattr(module, name, Spy())
-    return seen

@@ -12,7 +12,7 @@ import torch
 import logitless
 from logitless import testing
 
-from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves, spy_launches
+from .helpers import DTYPES, assert_compiled_matches_eager, assert_within_rule, grads, leaves
 
 # kind -> (public function, its extra keyword arguments); "jsd-0" / "jsd-1" are the edges of beta
 CASES = {
@@ -165,17 +165,16 @@ def test_triton_fused_reduction_loop(case, tune):
 
 
 @pytest.mark.parametrize("case", ["fkl", "jsd"])
-def test_triton_persistent_dz(case, tune, monkeypatch):
+def test_triton_persistent_dz(case, tune):
     # Tuning.two_heads_dz_persistent: with tensor descriptors the dz launches run a persistent grid (several tiles
     # a program here); the gradients are bitwise those of one program a tile, and within the rule.
-    from logitless.kernels import two_heads
     from logitless.kernels.linear_head.configs import TensorDescriptor, interpreter_config
 
     if TensorDescriptor is None:
         pytest.skip("no tensor descriptors in this Triton")
-    tune(two_heads_config=interpreter_config().replace(tma=True))
+    records = []  # what each backward decided (Tuning.debug_backwards)
+    tune(two_heads_config=interpreter_config().replace(tma=True), debug_backwards=records)
     xs, ws, bs, xt, wt, bt, t = make_pair(torch.bfloat16, n=40, ds=24, dt=16, v=300)
-    seen = spy_launches(monkeypatch, two_heads.launch, "_two_dz_kernel", lambda grid, kw: (grid[0], kw["PERSISTENT"]))
     fn = logitless.linear_kl_div if case == "fkl" else logitless.linear_jsd
     out = {}
     for persistent in (False, True):
@@ -185,6 +184,8 @@ def test_triton_persistent_dz(case, tune, monkeypatch):
             out[persistent] = (x.grad, w.grad, b.grad)
     for a, c in zip(out[False], out[True], strict=True):
         assert torch.equal(a, c)
+    assert [rec.head for rec in records] == ["two_heads"] * 2
+    seen = [(launch.programs, launch.persistent) for rec in records for launch in rec.dz]
     assert any(p and n < 4 for n, p in seen) and any(not p for _, p in seen)
     check(case, (xs, ws, bs, xt, wt, bt), "triton", target=t, reduction="mean")
 

@@ -391,11 +391,8 @@ def test_patch_twice_replaces_options():
     assert "forward" not in vars(model)
 
 
-def test_trainer_runs_patched(tmp_path, monkeypatch):
+def test_trainer_runs_patched(tmp_path):
     pytest.importorskip("accelerate")
-    calls = []
-    fused = hf._fused_forward
-    monkeypatch.setattr(hf, "_fused_forward", lambda *a: calls.append(1) or fused(*a))
     data = [{k: v[i % B] for k, v in batch(seed=i // B).items()} for i in range(8)]
     history = {}
     for patched in (False, True):
@@ -404,12 +401,16 @@ def test_trainer_runs_patched(tmp_path, monkeypatch):
             gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
             use_cpu=True, seed=0, disable_tqdm=True,
         )
-        trainer = transformers.Trainer(model=model_copy("llama", patched=patched), args=args, train_dataset=data)
+        model = model_copy("llama", patched=patched)
+        # each forward the Trainer runs: the fused loss returns no logits, the model's own forward does
+        calls = []
+        model.register_forward_hook(lambda module, args, out, seen=calls: seen.append(out.logits is None))
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
         # The patched forward keeps the signature, so the Trainer still passes num_items_in_batch.
         assert trainer.model_accepts_loss_kwargs
         trainer.train()
         history[patched] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(calls) == 3 * 2
+        assert calls == [patched] * 3 * 2  # 3 steps of 2 accumulated batches
     assert len(history[True]) == 3
     torch.testing.assert_close(torch.tensor(history[True]), torch.tensor(history[False]), rtol=1e-5, atol=0)
 
@@ -435,8 +436,6 @@ def test_bad_options():
 
 def test_workspace_bytes_reaches_the_loss(monkeypatch):
     # patch(workspace_bytes=...) is passed on to linear_cross_entropy (the PyTorch path here, which ignores it)
-    from logitless.integrations import hf
-
     seen = []
     lce = hf.linear_cross_entropy
     monkeypatch.setattr(hf, "linear_cross_entropy",

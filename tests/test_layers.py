@@ -345,3 +345,93 @@ def test_without_triton_the_package_imports_and_runs():
     run = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# Tests observe the kernels' planning through public functions and kernels.Tuning's recorders (debug_plans,
+# debug_backwards), never by patching a private name of the package: a private name may be renamed or inlined
+# freely, and a patched one tests the patch. Patching public names, and third-party or standard-library ones, is
+# allowed.
+TESTS = ROOT.parent.parent / "tests"
+PATCHERS = {"setattr", "delattr", "patch", "object"}  # monkeypatch.setattr / delattr, unittest.mock.patch(.object)
+
+
+def _is_private(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "logitless" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
+
+
+def _private_patches(source: str, filename: str = "<test>") -> list[str]:
+    """'file:line: what' for each patch of a private name inside the package in a test module's source: a
+    setattr / delattr / mock.patch on an object the file imports from logitless of a name with a leading underscore
+    (or through one), the same as a dotted string, and spy_launches of a private name."""
+    tree = ast.parse(source, filename)
+    bound: dict[str, str] = {}  # local name -> what it names in the package, from the file's imports anywhere
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({(a.asname or a.name).split(".")[0]: (a.name if a.asname else a.name.split(".")[0])
+                          for a in node.names if a.name.split(".")[0] == "logitless"})
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "logitless":
+            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+
+    def dotted(expr) -> str | None:
+        # What an expression names in the package (a bound name and its attributes), or None.
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            base = dotted(expr.value)
+            return None if base is None else f"{base}.{expr.attr}"
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        args = node.args
+        strings = [a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        target = None
+        if fn == "spy_launches":
+            target = next((s for s in strings if s.startswith("_")), None)
+        elif fn in PATCHERS and args:
+            first = args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):  # "pkg.mod.name"
+                target = first.value if _is_private(first.value) else None
+            else:
+                base = dotted(first)
+                name = args[1].value if len(args) > 1 and isinstance(args[1], ast.Constant) else None
+                if base is not None and isinstance(name, str) and _is_private(f"{base}.{name}"):
+                    target = f"{base}.{name}"
+        if target is not None:
+            found.append(f"{filename}:{node.lineno}: {fn} of {target}")
+    return found
+
+
+def test_tests_patch_no_private_name():
+    found = [hit for path in sorted(TESTS.glob("*.py")) for hit in _private_patches(path.read_text(), path.name)]
+    assert not found, "patched private names (read Tuning's recorders or a public name instead):\n" + "\n".join(found)
+
+
+def test_private_patches_are_found():
+    # The scanner sees each form (a scanner that found nothing would pass the test above).
+    source = '''
+import logitless
+import transformers
+from logitless.kernels.linear_head import plans as lh_plans
+from logitless import score
+def test(monkeypatch):
+    from logitless.kernels import two_heads
+    monkeypatch.setattr(lh_plans, "_plan", None)
+    monkeypatch.setattr(score, "BUFFER_DOCS", 2)
+    monkeypatch.setattr("logitless.apps.score._BUFFER_DOCS", 2)
+    monkeypatch.setattr("logitless.apps.score.BUFFER_DOCS", 2)
+    setattr(logitless.kernels._tuning, "DEFAULT", None)
+    monkeypatch.setattr(transformers, "_private", None)
+    monkeypatch.setattr("transformers.models._x", None)
+    spy_launches(monkeypatch, two_heads.launch, "_two_dz_kernel", None)
+'''
+    assert _private_patches(source) == [
+        "<test>:8: setattr of logitless.kernels.linear_head.plans._plan",
+        "<test>:10: setattr of logitless.apps.score._BUFFER_DOCS",
+        "<test>:12: setattr of logitless.kernels._tuning.DEFAULT",
+        "<test>:15: spy_launches of _two_dz_kernel",
+    ]

@@ -12,7 +12,6 @@ from logitless.apps.bench.measure import _cpu_peak
 from logitless.kernels import current_tuning
 from logitless.kernels import linear_head as lh
 from logitless.kernels.linear_head import plans as lh_plans
-from logitless.kernels.linear_head import products as lh_products
 from tests.helpers import assert_within_rule, check_against_truth, leaves, make_case
 
 MiB = 1 << 20
@@ -110,10 +109,8 @@ def test_small_policy_plans(small_policy):
 ])
 def test_every_plan_within_rule(small_policy, budget, dtype, needs, opts):
     ws = dict(zip(("lean", "policy", "large"), small_policy, strict=True))[budget]
-    seen = []
-    workspace = lh_plans._workspace
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lh_plans, "_workspace", lambda *a: seen.append(workspace(*a)) or seen[-1])
+    records = []
+    with logitless.kernels.tuning(debug_backwards=records):
         x, w, b, t = make_case(dtype, n=N, d=D, v=V, bias=True, scale=2.0)
         b = b if "b" in needs else None
         fn = functools.partial(logitless.linear_cross_entropy, workspace_bytes=ws)
@@ -129,7 +126,7 @@ def test_every_plan_within_rule(small_policy, budget, dtype, needs, opts):
             assert_within_rule("d_input", outs[0][1], outs[1][1], outs[2][1])
         else:
             check_against_truth(fn, testing.naive_linear_cross_entropy, x, w, b, t, backend="triton", **opts)
-    assert seen[-1].own_acc == (budget != "lean" and dtype != torch.float32)
+    assert records and all(rec.workspace.own_acc == (budget != "lean" and dtype != torch.float32) for rec in records)
 
 
 def test_log_probs_entropy_and_stash_every_plan(tune, small_policy):
@@ -207,23 +204,19 @@ def test_torch_path_peak_and_precision_with_many_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", ["lean", "policy", "large"])
-def test_odd_vocabulary_dz_rows_aligned(small_policy, monkeypatch, budget):
+def test_odd_vocabulary_dz_rows_aligned(small_policy, budget):
     # The last chunk of an odd vocabulary has an odd width. Its dz rows are plans.dz_cols apart (16-byte aligned,
     # as cuBLAS's fast products need) wherever dz lives: dW rows, the scratch, or dx; and the products take the
     # classes past a multiple of 8 apart. The gradients stay within the rule.
     ws = dict(zip(("lean", "policy", "large"), small_policy, strict=True))[budget]
-    seen = []
-    real = lh_products._products_torch
-
-    def spy(dz, x, wc, dw_rows, dx_acc, accumulate):
-        seen.append((dz.shape[1], dz.stride()))
-        return real(dz, x, wc, dw_rows, dx_acc, accumulate)
-
-    monkeypatch.setattr(lh_products, "_products_torch", spy)
-    with logitless.kernels.tuning(torch_products=True):
+    records = []
+    with logitless.kernels.tuning(torch_products=True, debug_backwards=records):
         x, w, b, t = make_case(torch.bfloat16, n=N, d=D, v=V + 1, bias=True, scale=2.0)
         check_against_truth(functools.partial(logitless.linear_cross_entropy, workspace_bytes=ws),
                             testing.naive_linear_cross_entropy, x, w, b, t, backend="triton")
+    # each call of torch's products: the classes of its dz and their strides
+    seen = [(p.cols, p.dz_stride) for rec in records for p in rec.products]
+    assert seen and all(p.torch for rec in records for p in rec.products)
     row_major = [(cols, st) for cols, st in seen if st[1] == 1]
     assert row_major and all(st[0] % 8 == 0 for _, st in row_major), seen
     assert any(cols % 8 for cols, _ in seen)  # the odd last chunk reached the products ...

@@ -293,7 +293,7 @@ def test_batch_size_invariant(family, model_dirs, tmp_path, capsys, monkeypatch)
     # buffers that documents are sorted in (4 documents each for the batch-size-1 run, one for the other).
     src = str(_jsonl(tmp_path, [*DOCS, LONG, DOCS[2] * 2]))
     args = ["--model", str(model_dirs[family]), "--per-token", "--max-length", "32", "--stride", "11", src]
-    monkeypatch.setattr(score, "_BUFFER_DOCS", 2)
+    monkeypatch.setattr(score, "BUFFER_DOCS", 2)
     one = _score([*args, "--batch-size", "1"], capsys)
     many = _score([*args, "--batch-size", "5"], capsys)
     assert [r["id"] for r in one] == [r["id"] for r in many] == [f"doc-{i}" for i in range(len(DOCS) + 2)]

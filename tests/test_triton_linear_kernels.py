@@ -15,10 +15,7 @@ import torch
 import logitless
 from logitless import testing, triton_backend
 from logitless.kernels import linear_head as lh
-from logitless.kernels.linear_head import backward_kernels as lh_kernels
 from logitless.kernels.linear_head import configs as lh_configs
-from logitless.kernels.linear_head import plans as lh_plans
-from logitless.kernels.linear_head import products as lh_products
 from tests.helpers import (
     assert_within_rule,
     check_log_probs_entropy,
@@ -26,7 +23,6 @@ from tests.helpers import (
     grads,
     leaves,
     rel_err,
-    spy_launches,
 )
 from tests.triton_linear_common import (
     DEV,
@@ -77,35 +73,10 @@ def test_backward_workspaces(tune, name, products, monkeypatch):
     # is aligned ("kernel-tma") or not, or by torch's matmuls (on the CPU in float32; cuBLAS on CUDA)
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
     cfg = lh_configs.config_for(torch.empty(1, device=DEV)).replace(grad_tma=products == "kernel-tma")
-    tune(linear_config=cfg, torch_products=products == "torch")
-    entered = []  # the torch products run under float32-only cuBLAS reductions
-
-    class Fp32Reductions(lh_products._Fp32Reductions):
-        def __enter__(self):
-            entered.append(self)
-            return super().__enter__()
-
-    monkeypatch.setattr(lh_products, "_Fp32Reductions", Fp32Reductions)
-    plans, workspaces = [], []
-    make_plan, workspace = lh_plans._plan, lh_plans._workspace
-    monkeypatch.setattr(lh_plans, "_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
-    monkeypatch.setattr(lh_plans, "_workspace", lambda *a: workspaces.append(tuple(workspace(*a))) or workspace(*a))
+    records = []  # what each backward decided (Tuning.debug_backwards)
+    tune(linear_config=cfg, torch_products=products == "torch", debug_backwards=records)
     tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
     monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
-    chosen = []
-    balanced = lh_plans._balanced_split
-    monkeypatch.setattr(lh_plans, "_balanced_split", lambda *a: chosen.append(balanced(*a)) or chosen[-1])
-    part_bytes = []  # the storage size behind each launch's split partials: the scratch's, or dW's
-    sum_splits = lh_kernels._sum_splits_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(part, *args, **kw):
-                part_bytes.append(part.untyped_storage().nbytes())
-                return sum_splits[grid](part, *args, **kw)
-            return launch
-
-    monkeypatch.setattr(lh_kernels, "_sum_splits_kernel", Recorder())
     x, w, b, t = case(dtype, n=n, d=d, v=v, bias=True, scale=2.0)
     xs = [x, w, b]
     ours_in = [a.detach().clone().requires_grad_(k in needs) for a, k in zip(xs, "xwb", strict=True)]
@@ -123,18 +94,23 @@ def test_backward_workspaces(tune, name, products, monkeypatch):
     for grad_name, go, gt, g64 in zip([f"d_{k}" for k in needs], ours_grads, grads(theirs, theirs_in),
                                       grads(truth, t64_in), strict=True):
         assert_within_rule(grad_name, go, gt, g64)
-    assert bool(entered) == (products == "torch" and needs != "b")  # (a bias gradient alone needs no product)
+    (rec,) = records
+    # the torch products (a bias gradient alone needs none) run under float32-only cuBLAS reductions
+    on_torch = [p for p in rec.products if p.torch]
+    assert bool(on_torch) == (products == "torch" and needs != "b"), rec.products
+    assert all(p.fp32_reductions for p in on_torch)
     if name == "first_pass_split" and products != "torch":
-        assert any(k < n for k in chosen), chosen
+        # the balanced split of a launch of both products: fewer tokens per split than N
+        assert any(p.k_per_split < n and p.splits > 1 for p in rec.products if p.dw and p.dx), rec.products
     if name == "second_pass_tail_split" and products != "torch":
-        assert v * d * 2 in part_bytes, part_bytes
-    (plan,) = plans
+        # split partials in the dW rows after their chunk: the storage of the weight's gradient
+        dw_at = ours_grads[1].untyped_storage().data_ptr()
+        assert any(p.partials == dw_at for p in rec.products), rec.products
     if name in ("own_acc", "wide_scratch", "alias_both"):
         # every dW row in the first pass with an accumulator of its own; else the accumulator in dW's last rows
-        own = plan.dx_acc.untyped_storage().data_ptr() != ours_grads[1].untyped_storage().data_ptr()
-        assert own == (plan.dw_end == v) == (name == "own_acc")
-        # (asked by the backward's plan, and by the stash's layout in forward and backward with torch's products)
-        assert set(workspaces) == {(4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")}
+        own = rec.dx_acc != ours_grads[1].untyped_storage().data_ptr()
+        assert own == (rec.dw_end == v) == (name == "own_acc")
+        assert tuple(rec.workspace) == (4 * n * cols * 2 if name != "alias_both" else n * cols * 2, name == "own_acc")
 
 
 # The forward's stash of logits in the weight gradient's buffer (linear_head.stash_layout), used when the gradient
@@ -335,13 +311,15 @@ def test_fp32_reductions_restore_user_settings():
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
         torch._C._set_cublas_allow_fp16_accumulation(True)
         user = tuple(f() for f in get)
-        with pytest.raises(RuntimeError, match="inside"), lh_products._Fp32Reductions():
-            with lh_products._Fp32Reductions():  # reentrant: the inner exit keeps float32 reductions on
+        assert not lh.Fp32Reductions.active()
+        with pytest.raises(RuntimeError, match="inside"), lh.Fp32Reductions():
+            with lh.Fp32Reductions():  # reentrant: the inner exit keeps float32 reductions on
                 pass
             inside = tuple(f() for f in get)
+            active = lh.Fp32Reductions.active()
             raise RuntimeError("inside")
-        assert [v if isinstance(v, bool) else v[0] for v in inside] == [False, False, False]
-        assert tuple(f() for f in get) == user
+        assert [v if isinstance(v, bool) else v[0] for v in inside] == [False, False, False] and active
+        assert tuple(f() for f in get) == user and not lh.Fp32Reductions.active()
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before[0]
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = before[1]
@@ -376,24 +354,25 @@ def test_narrow_heads_keep_dz_in_float32(dtype):
     assert err(gx, x64.grad) <= err(hx, x64.grad) and err(gw, w64.grad) <= err(hw, w64.grad)
 
 
-def spy_dz_launches(monkeypatch, record):
-    """Each launch of the dz kernel until the test ends appends record(grid, its keyword arguments) to the list
-    returned."""
-    return spy_launches(monkeypatch, lh_kernels, "_dz_kernel", record)
+def dz_launches(records):
+    """The dz launches of the backwards recorded in `records` (Tuning.debug_backwards), in order."""
+    return [launch for rec in records for launch in rec.dz]
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_softcap_dz_tiles(tune, monkeypatch, softcap):
+def test_softcap_dz_tiles(tune, softcap):
     # With a softcap, the dz launches that recompute their logits take Config.cap_dz_block_v classes (the slope is
     # one more live tile), the stash's launches the forward's tile (its layout); without one, dz_block_v everywhere.
     # The gradients stay within the rule either way.
     # (the interpreter's own config keeps one dz tile: numpy's products round differently per tile shape, and the
     # backward's logits must be the forward's bitwise; at this scale the difference is within the rule)
     cfg = lh_configs.interpreter_config().replace(cap_dz_block_v=32)
-    tune(torch_products=True, linear_config=cfg)
-    seen = spy_dz_launches(monkeypatch, lambda grid, kw: (kw["BLOCK_V"], kw["LOAD_Z"]))
+    records = []
+    tune(torch_products=True, linear_config=cfg, debug_backwards=records)
     x, w, b, t = case(torch.bfloat16, n=48, d=48, v=700, bias=True, ignore_frac=0.25, scale=3.0)
     lce_check(x, w, b, t, softcap=softcap)
+    seen = [(launch.block_v, launch.stashed) for launch in dz_launches(records)]
+    assert any(stashed for _, stashed in seen), seen  # (the stash's launches are there to check)
     recomputed = {bv for bv, stashed in seen if not stashed}
     assert recomputed == {cfg.cap_dz_block_v if softcap else cfg.dz_block_v}, seen
     assert all(bv == cfg.block_v for bv, stashed in seen if stashed)
@@ -401,7 +380,7 @@ def test_softcap_dz_tiles(tune, monkeypatch, softcap):
 
 @pytest.mark.parametrize("softcap,bias,n,entropy", [(None, False, 48, False), (None, True, 37, False),
                                                      (5.0, True, 37, False), (None, True, 40, True)])
-def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
+def test_persistent_dz(tune, softcap, bias, n, entropy):
     # Config.dz_persistent: the recomputing dz launches run a persistent grid (several tiles a program here) and
     # store dz through a descriptor, partial tiles included; the gradients are bitwise those of one program a
     # tile with pointer stores, and within the rule. A softcap or the entropy's term keep one program a tile.
@@ -417,7 +396,8 @@ def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
         return logitless.linear_cross_entropy(xo, wo, t, linear_bias=bo, softcap=softcap, label_smoothing=0.1,
                                               backend="triton")
 
-    seen = spy_dz_launches(monkeypatch, lambda grid, kw: (grid[0], kw["PERSISTENT"], kw["DZ_TMA"], kw["LOAD_Z"]))
+    records = []
+    tune(debug_backwards=records)
     grads = {}
     for persistent in (False, True):
         with logitless.kernels.tuning(linear_config=base.replace(dz_persistent=persistent)):
@@ -426,6 +406,7 @@ def test_persistent_dz(tune, monkeypatch, softcap, bias, n, entropy):
             grads[persistent] = [g.grad for g in (xo, wo, bo) if g is not None]
     for a, c in zip(grads[False], grads[True], strict=True):
         assert torch.equal(a, c)
+    seen = [(launch.programs, launch.persistent, launch.store_tma, launch.stashed) for launch in dz_launches(records)]
     runs = [s for s in seen if s[1]]
     if softcap is not None or entropy:
         assert seen and not runs

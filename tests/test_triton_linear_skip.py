@@ -18,7 +18,6 @@ from logitless import testing, triton_backend
 from logitless.apps.bench import data
 from logitless.kernels import linear_head as lh
 from logitless.kernels.linear_head import configs as lh_configs
-from logitless.kernels.linear_head import plans as lh_plans
 from logitless.linear_cross_entropy import class_counts
 from tests.helpers import (
     assert_within_rule,
@@ -317,12 +316,10 @@ def test_skip_bound_holds_when_cold_rows_align(tune, small_tiles):
                                         pytest.param("wide_scratch", "counts", marks=pytest.mark.slow)])
 def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
     dtype, n, d, v, cols, needs, sms, *budget = WORKSPACES[name]
-    wide, orders, second = [], [], []
-    first_pass, make_order, second_pass = lh_plans._first_pass, lh.vocab_order, lh_plans._second_pass
-    monkeypatch.setattr(lh_plans, "_first_pass", lambda *a: wide.append(first_pass(*a)) or wide[-1])
+    orders, records = [], []
+    make_order = lh.vocab_order
     monkeypatch.setattr(triton_backend, "vocab_order", lambda *a: orders.append(make_order(*a)) or orders[-1])
-    monkeypatch.setattr(lh_plans, "_second_pass", lambda *a: second.append(second_pass(*a)) or second[-1])
-    tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size())
+    tune(scratch_bytes=n * cols * torch.empty((), dtype=dtype).element_size(), debug_backwards=records)
     monkeypatch.setattr(lh_configs, "backward_sms", lambda device: sms)
     x, w, t = peaked(dtype, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=n, d=d, v=v)
     b = (torch.randn(v, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype).to(DEV)
@@ -331,12 +328,14 @@ def test_skip_workspaces(tune, name, order, monkeypatch, small_tiles):
     plans, _ = skip_check(x, w, b, t, tune, needs=needs, reduction="sum", skip_threshold=TAU,
                           vocab_order=order, workspace_bytes=budget[0] if budget else 0)
     assert len(plans) == 1 and not bool(plans[0].hot.all())
-    assert any(dz_at is not None for chunks in wide for _, _, dz_at, _ in chunks) == (isinstance(order, str)
-                                                                                 and order == "none")
+    (rec,) = records
+    assert rec.skip and rec.first_pass
+    assert any(dz_at is not None for _, _, dz_at, _ in rec.first_pass) == (isinstance(order, str)
+                                                                          and order == "none")
     # The order was made for the backward's workspaces: each second-pass chunk (it writes back only its own rows)
     # holds its own classes.
     for perm in orders:
-        for v0, v1, _ in (c for chunks in second for c in chunks):
+        for v0, v1, _ in rec.second_pass:
             assert torch.equal(perm[v0:v1].sort().values.cpu().long(), torch.arange(v0, v1)), (v0, v1)
 
 

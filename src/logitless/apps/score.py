@@ -45,10 +45,11 @@ from .documents import (
 from .model import Model, Window, model_source, parse_dtype
 
 _DEFAULT_MAX_LENGTH = 4096
-# Documents are sorted by length (less padding) within buffers of this many documents or characters: enough to
-# fill batches well, small enough that output streams and a buffer's token ids (Python lists) stay ~100s of MB.
-_BUFFER_DOCS = 1024
-_BUFFER_CHARS = 1 << 23
+# Documents are sorted by length (less padding) within buffers of this many documents (or 4 x --batch-size, if
+# more) or characters: enough to fill batches well, small enough that output streams and a buffer's token ids
+# (Python lists) stay ~100s of MB. Read at each run: tests set them lower to make several buffers of a few documents.
+BUFFER_DOCS = 1024
+BUFFER_CHARS = 1 << 23
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,7 +222,7 @@ def _score_all(args, model: Model, window: int, stride: int, out, docs: Iterator
         tqdm = _NoBar
     # Non-ASCII text as is where the output takes UTF-8, \u escapes (still the same JSON) where it may not.
     ascii_only = (getattr(out, "encoding", None) or "").lower().replace("-", "") != "utf8"
-    max_docs = max(_BUFFER_DOCS, 4 * args.batch_size)
+    max_docs = max(BUFFER_DOCS, 4 * args.batch_size)
     total_docs, total_chars = totals if totals is not None else (None, None)
     n_docs = n_tokens = 0
     logp_sum = 0.0
@@ -238,7 +239,7 @@ def _score_all(args, model: Model, window: int, stride: int, out, docs: Iterator
 
     with tqdm(total=None, unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, disable=args.quiet,
               dynamic_ncols=True) as bar:
-        for buf in buffers(docs, max_docs, _BUFFER_CHARS):
+        for buf in buffers(docs, max_docs, BUFFER_CHARS):
             for rec, doc_sum in _score_buffer(buf, model, window, stride, args, bar, planned):
                 out.write(json.dumps(rec, ensure_ascii=ascii_only, allow_nan=False) + "\n")
                 out.flush()

@@ -77,6 +77,9 @@ class Tuning:
     debug_poison: bool = False
     # A list: each backward appends the SkipPlan it uses (tests and tools read them).
     debug_plans: list | None = None
+    # A list: each backward of a linear head or of the two-head losses appends a linear_head.BackwardRecord of what
+    # it decided (workspace, plan, chunks, dz launches, gradient products); None: none is built (tests, tools).
+    debug_backwards: list | None = None
     # Skipping, the backward groups rows by how many tiles they need (plans.skip_plan) so that a token block's rows
     # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
     # False keeps the rows' own order (tests that place hot tiles by row).

@@ -50,8 +50,9 @@ Modules, in the order a call goes through them: launch (the two launchers; the b
 in launch._Backward's docstring), plans (workspaces, chunks, stash and skip plans: shapes in, numbers out),
 forward_layout and row_chunk_plan (the forward's vocabulary splits and the row-chunk plan, planned apart), configs
 (tiles per architecture), forward_kernels and backward_kernels (the @triton.jit kernels), tiles (device functions
-both share), products (the gradient products through cuBLAS), row_chunks (the row-chunk plan's launcher). The knobs
-that tests and tools change are fields of kernels.Tuning, read at each launch.
+both share), products (the gradient products through cuBLAS), row_chunks (the row-chunk plan's launcher), records
+(what a backward decided, for Tuning.debug_backwards). The knobs that tests and tools change are fields of
+kernels.Tuning, read at each launch.
 """
 
 from .configs import Config, config_for, fp32_config, gpu_config, hopper_config, interpreter_config, small_smem_config
@@ -81,11 +82,12 @@ from .plans import _plan as backward_plan
 from .plans import _second_pass as second_pass_chunks
 from .plans import _workspace as workspace_plan
 from .products import MM_OUT_DTYPE, Fp32Reductions, products_torch
+from .records import BackwardRecord, DzLaunch, ProductsCall
 
 __all__ = [
-    "MM_OUT_DTYPE", "Config", "Fp32Reductions", "SkipPlan", "StashLayout", "acc_forced", "backward", "backward_plan",
-    "cold_pairs", "config_for", "dz_rows", "first_pass_chunks", "forward_stats", "fp32_config", "gpu_config",
-    "hopper_config", "hot_products", "interpreter_config", "products_torch", "scratch_ld", "second_pass_chunks",
-    "shared_budget", "skip_plan", "skip_supported", "small_smem_config", "stash_layout", "tile_grid", "vocab_order",
-    "workspace_plan",
+    "MM_OUT_DTYPE", "BackwardRecord", "Config", "DzLaunch", "Fp32Reductions", "ProductsCall", "SkipPlan", "StashLayout",
+    "acc_forced", "backward", "backward_plan", "cold_pairs", "config_for", "dz_rows", "first_pass_chunks",
+    "forward_stats", "fp32_config", "gpu_config", "hopper_config", "hot_products", "interpreter_config",
+    "products_torch", "scratch_ld", "second_pass_chunks", "shared_budget", "skip_plan", "skip_supported",
+    "small_smem_config", "stash_layout", "tile_grid", "vocab_order", "workspace_plan",
 ]

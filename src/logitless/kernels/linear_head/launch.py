@@ -12,6 +12,7 @@ from . import backward_kernels as bk
 from . import configs, plans, products
 from .configs import config_for, dot_flags, operands, tma_ok, use_tma
 from .forward_kernels import _combine_kernel, _fwd_kernel
+from .records import BackwardRecord, DzLaunch, ProductsCall, storage_address
 
 
 def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, want_entropy, perm=None,
@@ -149,6 +150,12 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         x, target, m, logs, A, B, C, At = (take(t) for t in (x, target, m, logs, A, B, C, At))
     bw = _Backward(x, w, b, target, class_w, m, logs, (A, B, C, E, At), softcap, inv_temp, perm, sp, workspace_bytes,
                    dx, dw, db, lay, dx_split)
+    records = current_tuning().debug_backwards
+    if records is not None:
+        plan = bw.plan
+        bw.rec = BackwardRecord("linear_head", bw.ws, bw.skip, lay, plan.chunk, plan.dw_end, plan.dz_main is not None,
+                                storage_address(plan.dx_acc))
+        records.append(bw.rec)
     # cuBLAS's settings saved and restored once per backward, not around each chunk's products (~45 us of host
     # time a chunk, which small heads wait on: products._Fp32Reductions is reentrant, the inner ones cost nothing)
     with products._Fp32Reductions() if bw.torch_products and (need_dx or need_dw) else contextlib.nullcontext():
@@ -239,6 +246,7 @@ class _Backward:
         self.dx_deal = None  # (1,) int32 on the device: whether those launches deal the steps out
         self.dx_part = None  # their float32 partials, (dx_split - 1, N, D), made at the first such launch and added
         # to the dx accumulator after the first pass
+        self.rec = None  # a BackwardRecord to fill (Tuning.debug_backwards), or None
         if lay is not None:
             self.stash_zs, self.stash_zo = plans._stash_views(dw, lay, N, cfg)
             self.stash_dz = dw.view(-1)[lay.at: lay.at + lay.classes * N].view(lay.classes, N)
@@ -266,8 +274,10 @@ class _Backward:
         # First pass: every class once; dW rows below plan.dw_end, dx accumulated over all chunks. (A vocabulary
         # order gets no wide chunks: its dW rows are scattered over the first pass's range.)
         first = True
-        for v0, v1, dz_at, stashed in plans._first_pass(N, V, D, cfg, plan, self.aligned,
-                                                        need_dz and not self.has_perm, self.lay):
+        chunks = plans._first_pass(N, V, D, cfg, plan, self.aligned, need_dz and not self.has_perm, self.lay)
+        if self.rec is not None:
+            self.rec.first_pass = list(chunks)
+        for v0, v1, dz_at, stashed in chunks:
             dz = None
             if stashed:  # dz replaces the chunk's stashed logits: (N, v1 - v0), column-major
                 dz = self.stash_dz[v0: v1].t()
@@ -292,8 +302,11 @@ class _Backward:
             self.dx.copy_(plan.dx_acc)
         # Second pass: the dW rows that held the dx accumulator.
         if need_dw and plan.dw_end < V:
-            for v0, v1, in_dw in plans._second_pass(N, V, D, self.x.element_size(), cfg, plan.dw_end, self.aligned,
-                                                    self.ws.scratch):
+            chunks = plans._second_pass(N, V, D, self.x.element_size(), cfg, plan.dw_end, self.aligned,
+                                        self.ws.scratch)
+            if self.rec is not None:
+                self.rec.second_pass = list(chunks)
+            for v0, v1, in_dw in chunks:
                 room = None
                 if in_dw:
                     dz = self.dz_in_dw(v1 * D, v1 - v0)
@@ -330,6 +343,8 @@ class _Backward:
                       and B is None and self.softcap is None and tma_ok(dz))
         dz_desc = configs.descriptor(dz, [cfg.block_n, bv]) if persistent else None
         n_progs = min(n_tiles, self.sms) if persistent else n_tiles
+        if self.rec is not None:
+            self.rec.dz.append(DzLaunch(v0, v1, n_progs, bv, stashed, bool(persistent), bool(persistent), self.skip))
         bk._dz_kernel[(n_progs,)](
             ox, ow, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
             self.sp.hot if self.skip else None, dz, dz_desc, dbp, zs, zo, self.At,
@@ -360,7 +375,13 @@ class _Backward:
         if not (do_dw or do_dx):
             return
         if self.torch_products:
-            products._products_torch(dz, x, w[v0:v1], dw[v0:v1] if do_dw else None, dx_acc, accumulate)
+            on_call = None
+            if self.rec is not None:
+                def on_call(d, rec=self.rec.products):
+                    rec.append(ProductsCall(v0, v1, do_dw, do_dx, True, products.Fp32Reductions.active(), d.shape[1],
+                                            d.stride(), N, 1, None))
+            products._products_torch(dz, x, w[v0:v1], dw[v0:v1] if do_dw else None, dx_acc, accumulate,
+                                     on_call=on_call)
             return
         n_out = cdiv(rows, cfg.block_m) * cdiv(D, cfg.block_d)
         n_dx_tiles = cdiv(N, cfg.block_m) * cdiv(D, cfg.dx_d) if do_dx else 0
@@ -413,6 +434,9 @@ class _Backward:
             hot = self.sp.hot
             self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
                             ).to(torch.int32)
+        if self.rec is not None:
+            self.rec.products.append(ProductsCall(v0, v1, do_dw, do_dx, False, products.Fp32Reductions.active(), rows,
+                                                  dz.stride(), k_per_split, splits, storage_address(part)))
         bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles * split,)](
             dz, x, wv, dw_out, dx_acc,
             None if perm is None else perm[v0:], *self.lists, self.dx_part if split > 1 else None,

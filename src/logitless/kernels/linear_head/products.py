@@ -49,6 +49,11 @@ class _Fp32Reductions:
             _Fp32Reductions._active += 1
         return self
 
+    @classmethod
+    def active(cls) -> bool:
+        """Whether some thread is inside one now (cuBLAS reduces in float32 only)."""
+        return cls._active > 0
+
     def __exit__(self, *exc):
         with self._lock:
             _Fp32Reductions._active -= 1
@@ -64,9 +69,10 @@ class _Fp32Reductions:
         return False
 
 
-def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
+def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool, on_call=None) -> None:
     """dw_rows = dz^T @ x (float32 accumulation, one rounding to dw_rows' dtype) and dx_acc (float32) = or +=
-    dz @ wc, for dz (N, rows) and wc (rows, D); either output may be None."""
+    dz @ wc, for dz (N, rows) and wc (rows, D); either output may be None. on_call: None, or called with the dz of
+    each group of matmuls just before they run (the backward's record)."""
     with _Fp32Reductions():
         rows = dz.shape[1]
         main = rows // 8 * 8
@@ -75,10 +81,12 @@ def _products_torch(dz, x, wc, dw_rows, dx_acc, accumulate: bool) -> None:
             # of an odd vocabulary, several times slower: docs/design/backward.md, "Odd vocabularies"): the
             # aligned classes, then the few left (dz's rows are 16-byte aligned: plans.dz_cols)
             _products_torch(dz[:, :main], x, wc[:main], None if dw_rows is None else dw_rows[:main], dx_acc,
-                            accumulate)
+                            accumulate, on_call)
             _products_torch(dz[:, main:], x, wc[main:], None if dw_rows is None else dw_rows[main:], dx_acc,
-                            dx_acc is not None)
+                            dx_acc is not None, on_call)
             return
+        if on_call is not None:
+            on_call(dz)
         if not x.is_cuda:  # the tests' stand-in: the same products in float32
             if dw_rows is not None:
                 dw_rows.copy_(dz.t().float() @ x.float())

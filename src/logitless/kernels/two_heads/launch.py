@@ -26,6 +26,7 @@ from ..linear_head import (
     workspace_plan,
 )
 from ..linear_head.configs import descriptor, dot_flags, operands, tma_ok, use_tma
+from ..linear_head.records import BackwardRecord, DzLaunch, ProductsCall, storage_address
 from .configs import config, dz_config
 from .kernels import _two_dz_kernel, _two_fwd_kernel
 from .plans import product_config
@@ -179,6 +180,12 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         R = R.index_select(R.dim() - 1, rows)
     ws_plan = workspace_plan(N, V, D, xs.element_size(), workspace_bytes, acc_forced(xs, need_dx, need_dw, N, V, D))
     plan = backward_plan(xs, dx, dw, N, V, D, cfg, skip, ws_plan)
+    rec = None
+    records = current_tuning().debug_backwards
+    if records is not None:
+        rec = BackwardRecord("two_heads", ws_plan, skip, None, plan.chunk, plan.dw_end, plan.dz_main is not None,
+                             storage_address(plan.dx_acc))
+        records.append(rec)
     args, strides, meta = _common(xs, ws, bs, xt, wt, bt, cfg, softcap, inv_temp)
     stats = torch.stack([m_s, logs_s, m_t, logs_t])
     beta_args = _beta_args(kind, beta)
@@ -208,6 +215,8 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         n_tiles = n_blocks * cdiv(v1 - v0, cfg.block_v)
         persistent = dz_tma and current_tuning().two_heads_dz_persistent and not skip
         n_progs = min(n_tiles, num_sms(xs.device, INTERPRETER_SMS_BACKWARD)) if persistent else n_tiles
+        if rec is not None:
+            rec.dz.append(DzLaunch(v0, v1, n_progs, cfg.block_v, False, bool(persistent), bool(dz_tma), skip))
         _two_dz_kernel[(n_progs,)](
             *args, stats, R, g, dz_arg, dbp, sp.hot if skip else None,
             N, D, xt.shape[1], v0, v1, n_progs, sp.hot.shape[1] if skip else 0, *strides, dz.stride(0) if store else 0,
@@ -218,6 +227,9 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             torch.sum(dbp, dim=0, out=db[v0:v1])
 
     def products(v0, v1, dz, dw_rows, dx_acc, accumulate):
+        if rec is not None:
+            rec.products.append(ProductsCall(v0, v1, dw_rows is not None, dx_acc is not None, not skip,
+                                             Fp32Reductions.active(), v1 - v0, dz.stride(), N, 1, None))
         if skip:
             hot_products(dz, xs, ws[v0:v1], dw_rows, dx_acc, accumulate, sp, cfg, v0, v1)
         else:
@@ -228,7 +240,10 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
     # a product: a bias gradient alone)
     with Fp32Reductions() if need_dz else contextlib.nullcontext():
         first = True
-        for v0, v1, dz_at, _ in first_pass_chunks(N, V, D, cfg, plan, skip, need_dz, None):
+        chunks = first_pass_chunks(N, V, D, cfg, plan, skip, need_dz, None)
+        if rec is not None:
+            rec.first_pass = list(chunks)
+        for v0, v1, dz_at, _ in chunks:
             dz = None
             if dz_at is not None:
                 dz = dz_in_dw(dz_at, v1 - v0)
@@ -243,8 +258,10 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
             dx.copy_(plan.dx_acc)
         if need_dw and plan.dw_end < V:
             # The dW rows that held the dx accumulator: recomputed now that dx is final.
-            for v0, v1, in_dw in second_pass_chunks(N, V, D, xs.element_size(), cfg, plan.dw_end, skip,
-                                                    ws_plan.scratch):
+            chunks = second_pass_chunks(N, V, D, xs.element_size(), cfg, plan.dw_end, skip, ws_plan.scratch)
+            if rec is not None:
+                rec.second_pass = list(chunks)
+            for v0, v1, in_dw in chunks:
                 if in_dw:
                     dz = dz_in_dw(v1 * D, v1 - v0)
                 else:
