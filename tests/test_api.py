@@ -77,7 +77,7 @@ PINNED = {
     "logitless.CrossEntropyLoss.forward": "(self, logits, target)",
     "logitless.LinearCrossEntropyLoss": (
         "class(weight=None, *, reduction='mean', ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, "
-        "backend='auto', skip_threshold='auto', vocab_order='none', workspace_bytes=None)"
+        "backend='auto', skip_threshold='auto', vocab_order='none', workspace_bytes=None, deterministic=False)"
     ),
     "logitless.LinearCrossEntropyLoss.forward": "(self, input, linear_weight, target, linear_bias=None)",
     "logitless.SortedHead": (
@@ -139,7 +139,7 @@ PINNED = {
     "logitless.distributed.linear_cross_entropy": (
         "(input, linear_weight, target, *, linear_bias=None, weight=None, reduction='mean', ignore_index=-100, "
         "label_smoothing=0.0, z_loss=0.0, softcap=None, backend='auto', skip_threshold='auto', vocab_order='none', "
-        "workspace_bytes=None, process_group, vocab_start=None, vocab_size=None)"
+        "workspace_bytes=None, deterministic=False, process_group, vocab_start=None, vocab_size=None)"
     ),
     "logitless.distributed.linear_log_probs": (
         "(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0, ignore_index=-100, "
@@ -157,7 +157,7 @@ PINNED = {
     "logitless.nn.CrossEntropyLoss.forward": "(self, logits, target)",
     "logitless.nn.LinearCrossEntropyLoss": (
         "class(weight=None, *, reduction='mean', ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, "
-        "backend='auto', skip_threshold='auto', vocab_order='none', workspace_bytes=None)"
+        "backend='auto', skip_threshold='auto', vocab_order='none', workspace_bytes=None, deterministic=False)"
     ),
     "logitless.nn.LinearCrossEntropyLoss.forward": "(self, input, linear_weight, target, linear_bias=None)",
     "logitless.integrations.hf.patch": (

@@ -87,6 +87,11 @@ def test_deterministic_calls_do_not_follow_the_gate(plans):
     assert len(plans) == 1  # no skipping plan made
     assert all(torch.equal(a, b) for run in fixed[1:] for a, b in zip(fixed[0], run, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(fixed[0], auto[0], strict=True))  # the dense plans' bits
+    # The module form passes it on.
+    loss_fn = logitless.LinearCrossEntropyLoss(backend="triton", deterministic=True)
+    xg, wg = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss_fn(xg, wg, t).backward()
+    assert len(plans) == 1 and torch.equal(xg.grad, fixed[0][0]) and torch.equal(wg.grad, fixed[0][1])
 
 
 def test_a_near_certain_batch_keeps_its_gradient(plans):

@@ -56,8 +56,8 @@ _PG_DOC = """process_group: the ``torch.distributed`` group (or 1-D DeviceMesh) 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, backend="auto",
-                         skip_threshold="auto", vocab_order="none", workspace_bytes=None, process_group,
-                         vocab_start=None, vocab_size=None) -> torch.Tensor:
+                         skip_threshold="auto", vocab_order="none", workspace_bytes=None, deterministic=False,
+                         process_group, vocab_start=None, vocab_size=None) -> torch.Tensor:
     """Vocabulary-parallel :func:`logitless.linear_cross_entropy`: the same loss as on one device over the
     concatenated shards, returned identically on every rank of ``process_group``.
 
@@ -74,7 +74,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
         ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, backend=backend,
         skip_threshold=skip_threshold, vocab_order=vocab_order, workspace_bytes=workspace_bytes,
-        process_group=Sharding(process_group, vocab_start, vocab_size))
+        deterministic=deterministic, process_group=Sharding(process_group, vocab_start, vocab_size))
 
 
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, softcap=None, temperature=1.0,

@@ -31,8 +31,9 @@ class _LossOptions(torch.nn.Module):
 
 class LinearCrossEntropyLoss(_LossOptions):
     """Module form of :func:`logitless.linear_cross_entropy`; ``forward(input, linear_weight, target,
-    linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold``, ``vocab_order`` and
-    ``workspace_bytes`` are the function's (skipping where it pays, the memory policy by default);
+    linear_bias=None)``. Class weights, if given, are kept as a buffer. ``skip_threshold``, ``vocab_order``,
+    ``workspace_bytes`` and ``deterministic`` are the function's (skipping where it pays, the memory policy by
+    default);
     ``vocab_order="running"`` orders the vocabulary by target counts kept across training steps (the
     ``vocab_counts`` buffer, decayed by 0.99 per step, updated on the device; in the state_dict from the first
     forward on, and a state without it loads as a fresh module's)."""
@@ -40,13 +41,14 @@ class LinearCrossEntropyLoss(_LossOptions):
     def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                  backend: str = "auto", skip_threshold: float | str | None = "auto", vocab_order: str = "none",
-                 workspace_bytes: int | None = None):
+                 workspace_bytes: int | None = None, deterministic: bool = False):
         if vocab_order not in ("batch", "running", "none"):
             raise ValueError(f"vocab_order must be 'batch', 'running' or 'none', got {vocab_order!r}")
         super().__init__(weight, reduction, ignore_index, label_smoothing, z_loss, softcap, backend)
         self.skip_threshold = skip_threshold
         self.vocab_order = vocab_order
         self.workspace_bytes = workspace_bytes
+        self.deterministic = deterministic
         self.register_buffer("vocab_counts", None)
 
     def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
@@ -63,7 +65,7 @@ class LinearCrossEntropyLoss(_LossOptions):
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     backend=self.backend, skip_threshold=self.skip_threshold, vocab_order=order,
-                                    workspace_bytes=self.workspace_bytes)
+                                    workspace_bytes=self.workspace_bytes, deterministic=self.deterministic)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The counts exist from the first forward on, so a checkpoint holds them or not, and strict loading would
@@ -78,7 +80,7 @@ class LinearCrossEntropyLoss(_LossOptions):
                 self.vocab_counts = torch.empty_like(saved)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order", "workspace_bytes")
+    _repr_fields = _LossOptions._repr_fields + ("skip_threshold", "vocab_order", "workspace_bytes", "deterministic")
 
 
 class CrossEntropyLoss(_LossOptions):
