@@ -189,6 +189,7 @@ PINNED = {
     "logitless.kernels.Tuning.debug_plans": "None",
     "logitless.kernels.Tuning.debug_backwards": "None",
     "logitless.kernels.Tuning.skip_group_rows": "True",
+    "logitless.kernels.Tuning.skip_wide": "None",
     "logitless.kernels.Tuning.skip_dx_first": "True",
     "logitless.kernels.Tuning.skip_dx_split": "4",
     "logitless.kernels.Tuning.skip_dx_deal_pct": "15.0",

@@ -370,3 +370,19 @@ def test_module_running_vocab_order():
     loss_fn.eval()
     loss_fn(x, w, t)
     assert torch.equal(loss_fn.vocab_counts, counts)
+
+
+@pytest.mark.parametrize("skip_wide", [None, 192])
+def test_skip_wide_sets_the_first_pass_chunks(tune, small_tiles, skip_wide):
+    # Tuning.skip_wide: the skipping backward's first-pass chunks (the interpreter's Config: 160 classes dense, 320
+    # skipping), whole tiles of 64, within the rule either way. The default scratch holds one tile's dz, so that
+    # only a larger budget widens the chunks.
+    records = []
+    tune(skip_wide=skip_wide, debug_backwards=records, scratch_bytes=70 * 2 * 64)
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 40], [70, 71, 72, 20], [5, 6, 90, 91]], n=70, v=700)
+    plans, _ = skip_check(x, w, None, t, tune, needs="xw", skip_threshold=TAU, workspace_bytes=1 << 24)
+    assert len(plans) == 1 and not bool(plans[0].hot.all())
+    (rec,) = records
+    widths = [v1 - v0 for v0, v1, _, _ in rec.first_pass]
+    wide = 320 if skip_wide is None else skip_wide
+    assert max(widths) == wide and all(wd % 64 == 0 for wd in widths[:-1]), widths

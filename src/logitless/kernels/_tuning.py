@@ -84,6 +84,10 @@ class Tuning:
     # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
     # False keeps the rows' own order (tests that place hot tiles by row).
     skip_group_rows: bool = True
+    # Classes per first-pass chunk of a skipping backward, at least the dense plans' (Config.wide); None: the
+    # configuration's Config.skip_wide. Wider chunks launch less often and take a larger dz scratch (N x chunk in
+    # the input dtype): docs/design/skipping.md, "Where the skipping backward's memory goes".
+    skip_wide: int | None = None
     # Skipping, the gradient products' launch runs its dx tiles first, those of the last token blocks (the rows that
     # need the most tiles) before all others (backward_kernels._dgrad_kernel).
     skip_dx_first: bool = True

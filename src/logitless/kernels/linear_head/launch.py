@@ -215,8 +215,9 @@ class _Backward:
         self.dx, self.dw, self.db, self.lay = dx, dw, db, lay
         self.N, self.V, self.D = N, V, D
         self.cfg = cfg = config_for(x)
-        if sp is not None and cfg.skip_wide > cfg.wide:
-            self.cfg = cfg = cfg.replace(wide=cfg.skip_wide)
+        skip_wide = current_tuning().skip_wide or cfg.skip_wide
+        if sp is not None and skip_wide > cfg.wide:
+            self.cfg = cfg = cfg.replace(wide=skip_wide)
         self.has_perm = perm is not None
         # Chunks of whole tiles with skipping or a vocabulary order (chunk boundaries on the tiles of the map).
         self.aligned = self.has_perm or sp is not None
