@@ -28,6 +28,7 @@ tokenizer) and ``--text random`` use uniform random tokens.
     python tools/gpu_trl.py --gguf gemma3-270m --dtype fp32 --batch 1 --prompt 32 --completion 64   # CPU, minutes
     python tools/gpu_trl.py --model /path/to/Qwen3-0.6B --dtype bf16
     python tools/gpu_trl.py --tiny                                  # CPU check: a 2-layer model built here
+    python tools/gpu_trl.py --gguf gemma3-270m --tune skip_wide=8192 # a kernels.Tuning field for logitless
 
 Prints one JSON line per provider, the log-probs' agreement and a table; ``--json PATH`` writes all of it.
 """
@@ -35,6 +36,7 @@ Prints one JSON line per provider, the log-probs' agreement and a table; ``--jso
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -251,9 +253,19 @@ def main() -> None:
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
+    p.add_argument("--tune", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a logitless.kernels.Tuning field for the logitless provider's process (repeatable), e.g. "
+                        "skip_wide=8192")
     args = p.parse_args()
+    try:
+        tune = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.tune)}
+    except (ValueError, SyntaxError):
+        p.error("--tune takes FIELD=VALUE, VALUE a Python literal")
     if args.provider:
-        print(json.dumps(run_one(args)))
+        from logitless import kernels
+
+        with kernels.tuning(**(tune if args.provider == "logitless" else {})):
+            print(json.dumps(run_one(args)))
         return
     if sum(map(bool, (args.tiny, args.model, args.gguf))) != 1:
         p.error("give one of --model PATH, --gguf FILE or --tiny")
