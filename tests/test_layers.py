@@ -21,9 +21,9 @@ import logitless
 # Lowest first. A module's layer is that of its top-level name (logitless.kernels.linear_head: "kernels"); a module
 # may import its own layer and those below.
 LAYERS = (
-    ("_autograd", "_dispatch", "shards", "testing", "vocab", "sorted_head"),  # autograd hygiene, what runs where, a
-    # vocabulary shard's layout and collectives, oracles, a vocabulary's stored order, and the head that keeps it
-    # learned
+    ("_autograd", "_dispatch", "shards", "testing", "vocab", "sorted_head", "later_grad"),  # autograd hygiene, what
+    # runs where, a vocabulary shard's layout and collectives, oracles, a vocabulary's stored order, the head that
+    # keeps it learned, and a weight's gradient made in part by a later node
     ("loss_math",),  # the head op's contract, the losses on its statistics, the memory policy
     ("kernels", "torch_backend"),  # Triton kernels and launchers; the chunked PyTorch backend
     ("triton_backend", "triton_two_heads", "triton_cross_entropy", "skip_gate"),  # the kernels as torch.library

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import logitless
 from logitless import loss_math, testing, torch_backend
 from logitless.apps.bench.measure import _cpu_peak
-from tests.helpers import V, check_against_truth, leaves, make_case
+from tests.helpers import V, assert_within_rule, check_against_truth, grads, leaves, make_case
 
 lce = functools.partial(logitless.linear_cross_entropy, backend="torch")
 
@@ -207,3 +207,45 @@ def test_fused_path_peak_within_budget(softcap, monkeypatch):
     peak, _ = _cpu_peak(run)
     extra = peak - xo.grad.nbytes - wo.grad.nbytes - bo.grad.nbytes
     assert extra <= loss_math.default_workspace_bytes(n, v) + 64 * 4 * n + (16 << 10), extra
+
+
+@pytest.mark.parametrize("chunked", (False, True))
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+def test_weight_gradient_made_in_part_later(opts, chunked, monkeypatch):
+    # A head tied to the input embedding on a CPU (integrations.tied): within head_grad_later the fused forward makes
+    # W's gradient for the classes below later_grad.split(V) and the tied node, which runs last, makes the rest.
+    # The whole gradient, and the others, within the rule; the rest was left to the node.
+    from logitless import later_grad
+    from logitless.integrations import tied
+
+    if chunked:
+        monkeypatch.setattr(loss_math, "POLICY_MIN_BYTES", 128 << 10)
+    n = 160 if chunked else 37
+    x, w, b, t = make_case(torch.float32, n=n, bias=True, ignore_frac=0.3, scale=3.0)
+    kw = dict(opts)
+    if kw.pop("weight", False):
+        kw["weight"] = torch.rand(V, generator=torch.Generator().manual_seed(2)) + 0.5
+    left = []
+    add = later_grad.LaterWeightGrad.add
+    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    up = torch.tensor(-2.5, dtype=torch.float64)
+    emb = torch.nn.Embedding(V, w.shape[1])
+    emb.weight = torch.nn.Parameter(w.clone())
+    ids = torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(3))
+    xo, bo = leaves(x, b)
+    with tied.tied_rows(emb, emb.weight) as w_head:
+        unused = emb(ids).sum() * 0.0  # the embedding's own use: a sparse gradient of zeros
+    with tied.head_grad_later(w_head):
+        ours = lce(xo, w_head, t, linear_bias=bo, **kw)
+    assert _fused(ours)
+    (ours * up.float() + unused).backward()
+    assert left == [1]
+    xt, wt, bt = leaves(x, w, b)
+    theirs = testing.naive_linear_cross_entropy(xt, wt, t, linear_bias=bt, upcast=False, **kw)
+    x64, w64, b64 = leaves(x.double(), w.double(), b.double())
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    truth = testing.naive_linear_cross_entropy(x64, w64, t, linear_bias=b64, **kw64)
+    assert_within_rule("loss", ours, theirs, truth)
+    for name, go, gt, g64 in zip(("d_input", "d_weight", "d_bias"), (xo.grad, emb.weight.grad, bo.grad),
+                                 grads(theirs, [xt, wt, bt], up), grads(truth, [x64, w64, b64], up), strict=True):
+        assert_within_rule(name, go, gt, g64)

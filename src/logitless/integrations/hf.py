@@ -13,7 +13,8 @@ The loss follows transformers' causal-LM contract (``ForCausalLMLoss``) exactly:
   - the logit transform the model's forward applies (a final softcap, a logit scale that multiplies or divides, a
     scale of the hidden states before the head) is applied too, as ``heads`` finds it per model type;
   - tied embeddings work unchanged (the head's weight is the embedding's parameter); on a CPU the embedding's
-    rows are added into the head's gradient in place (``tied``), never beside a second dense one.
+    rows are added into the head's gradient in place (``tied``), never beside a second dense one, and half of the
+    head's gradient is made after the backbone's backward, never beside its activations.
 While patched, the head's rows are stored in a softmax-mass order learned from the training forwards (``vocab_order``,
 ``logitless.SortedHead``), for the skipping backward; inputs, labels, logits and state dicts stay in class order.
 The backbone, the head and the logit transform come from ``heads`` (shared with ``logitless score``), and models
@@ -22,6 +23,7 @@ whose forward does something this cannot reproduce are refused at ``patch`` time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -211,11 +213,13 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
     head = _find_head(model)
     weight = head.weight
     emb = tied.tied_embedding(model, weight)  # None under torch.compile, which traces the plain call below
+    head_grad = contextlib.nullcontext()
     if emb is None:
         out = backbone(**call)
-    else:  # a head tied to the input embedding, on a CPU: the two gradients summed in place
+    else:  # a head tied to the input embedding, on a CPU: the two gradients summed in place, part of the head's last
         with tied.tied_rows(emb, weight) as weight:
             out = backbone(**call)
+        head_grad = tied.head_grad_later(weight)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     hidden = _keep_positions(hidden, keep)
 
@@ -249,7 +253,8 @@ def _fused_forward(model: nn.Module, plan: _Plan, call: dict):
         with torch.autocast(device_type, enabled=False):
             loss = lce(x, weight, target, linear_bias=bias)
     else:
-        loss = lce(x, weight, target, linear_bias=bias)
+        with head_grad:
+            loss = lce(x, weight, target, linear_bias=bias)
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
             num_items = num_items.to(loss.device)

@@ -11,7 +11,7 @@ Modules, by job:
 - linear_head: the head op's statistics (stats, head_forward) and its generic backward (head_backward);
 - fused: linear_cross_entropy's training step with a reduced loss (fused_rows, fused_plan, fused_cross_entropy):
   chunks of rows over the full vocabulary whose gradients are computed in the forward, three products instead of
-  four;
+  four (within logitless.later_grad's context, part of the weight's gradient made by a later node);
 - cross_entropy: cross_entropy on given logits (the same statistics, its own backward);
 - one_class: the closed forms of a one-class head (its logits, and the public ops' outputs on them);
 - two_heads: the two-head losses' row statistics and the student's backward (logitless.distill).
