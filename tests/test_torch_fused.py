@@ -249,3 +249,48 @@ def test_weight_gradient_made_in_part_later(opts, chunked, monkeypatch):
     for name, go, gt, g64 in zip(("d_input", "d_weight", "d_bias"), (xo.grad, emb.weight.grad, bo.grad),
                                  grads(theirs, [xt, wt, bt], up), grads(truth, [x64, w64, b64], up), strict=True):
         assert_within_rule(name, go, gt, g64)
+
+
+def test_weight_gradient_in_part_later_other_backwards(monkeypatch):
+    # The part left to the tied node only in a plain backward that frees the graph and runs the node: a kept graph,
+    # autograd.grad of the input alone and create_graph=True make the whole gradient in the loss's own backward, the
+    # same numbers.
+    from logitless import later_grad
+    from logitless.integrations import tied
+
+    left = []
+    add = later_grad.LaterWeightGrad.add
+    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    x, w, _, t = make_case(torch.float32, n=37, ignore_frac=0.3, scale=3.0)
+
+    def run():
+        emb = torch.nn.Embedding(V, w.shape[1])
+        emb.weight = torch.nn.Parameter(w.clone())
+        xo = x.clone().requires_grad_()
+        with tied.tied_rows(emb, emb.weight) as w_head:
+            pass
+        with tied.head_grad_later(w_head):
+            loss = lce(xo, w_head, t, label_smoothing=0.1)
+        return xo, emb.weight, loss
+
+    xo, wp, loss = run()
+    loss.backward()
+    assert left == [1]
+    ref = (xo.grad.clone(), wp.grad.clone())
+    xo, wp, loss = run()
+    loss.backward(retain_graph=True)
+    assert left == [1]  # the kept graph's backward made the whole gradient itself
+    loss.backward()
+    assert left == [1, 1]  # the one that frees it left the rest to the node
+    torch.testing.assert_close(xo.grad, 2 * ref[0])
+    torch.testing.assert_close(wp.grad, 2 * ref[1])
+    xo, wp, loss = run()
+    (dx,) = torch.autograd.grad(loss, xo)
+    assert left == [1, 1] and wp.grad is None
+    torch.testing.assert_close(dx, ref[0])
+    xo, wp, loss = run()
+    dx, dw = torch.autograd.grad(loss, (xo, wp), create_graph=True)
+    assert left == [1, 1]
+    torch.testing.assert_close(dw, ref[1])
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        dw.sum().backward()

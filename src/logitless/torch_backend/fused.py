@@ -70,31 +70,46 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @first_order_only
     def backward(ctx, g):
-        if ctx.rest is None:
-            return (*scale_forward_grads(ctx, g), *[None] * 9)
-        x, w, b, target, class_w = (None if t is None else t.detach() for t in ctx.saved_tensors)
-        split, stats, options = ctx.rest
-        node, later = ctx.later
-        kept = graph_kept()
-        dx, dw_first, db = scale_forward_grads(ctx, g)
-        g = g.detach()
+        # Left to the node only in a plain backward that frees the graph and runs the node; otherwise (a kept graph,
+        # create_graph=True, a pass that does not reach the node) the whole gradient is made here.
+        if (ctx.rest is not None and not torch.is_grad_enabled() and not graph_kept()
+                and later_grad.will_run(ctx.later[0])):
+            return _leave_rest(ctx, g)
+        return _backward(ctx, g)
 
-        def whole():
-            # W's dtype: the rows made in the forward as they are, the rest from the float32 accumulator (W's own
-            # dtype on a CPU's float32 head), each rounded once.
-            dw = torch.empty_like(w)
-            dw[:split] = dw_first
-            dw[split:] = _fused_forward(x, w, b, target, class_w, *options, (False, True, False),
-                                        known=(split, *stats))[1][1].mul_(g)
-            return dw
 
-        if kept or torch.is_grad_enabled() or not later_grad.will_run(node):
-            return dx, whole(), db, *[None] * 9
-        ctx.rest = None  # the graph is freed: the maker holds what it needs
-        later.add(whole)
-        return dx, None, db, *[None] * 9
+@first_order_only
+def _backward(ctx, g):
+    dx, dw, db = scale_forward_grads(ctx, g)
+    if ctx.rest is not None and dw is not None:
+        dw = _whole_weight_grad(ctx, dw, g)()
+    return dx, dw, db, *[None] * 9
+
+
+@first_order_only
+def _leave_rest(ctx, g):
+    dx, dw_first, db = scale_forward_grads(ctx, g)
+    ctx.later[1].add(_whole_weight_grad(ctx, dw_first, g))
+    ctx.rest = None  # the graph is freed: the maker holds what it needs
+    return dx, None, db, *[None] * 9
+
+
+def _whole_weight_grad(ctx, dw_first, g):
+    """A maker of W's whole gradient for the upstream gradient g: the rows made in the forward (dw_first, scaled)
+    and the rest made now from the saved inputs and the forward's row statistics, in W's dtype, each rounded once."""
+    x, w, b, target, class_w = (None if t is None else t.detach() for t in ctx.saved_tensors)
+    split, stats, options = ctx.rest
+    g = g.detach()
+
+    def make():
+        dw = torch.empty_like(w)
+        dw[:split] = dw_first
+        dw[split:] = _fused_forward(x, w, b, target, class_w, *options, (False, True, False),
+                                    known=(split, *stats))[1][1].mul_(g)
+        return dw
+
+    return make
 
 
 def fused_plan(x, w, b, softcap, reduction, skip, workspace_bytes):
