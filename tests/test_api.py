@@ -169,7 +169,7 @@ PINNED = {
     "logitless.integrations.trl.UnsupportedModelError": "exception(NotImplementedError)",
     "logitless.integrations.trl.is_patched": "(model)",
     "logitless.integrations.trl.patch": (
-        "(trainer, *, backend='auto', workspace_bytes=None, compact=True, strict=False)"
+        "(trainer, *, backend='auto', workspace_bytes=None, skip_threshold='auto', compact=True, strict=False)"
     ),
     "logitless.integrations.trl.unpatch": "(trainer)",
     "logitless.kernels.Tuning.linear_config": "None",

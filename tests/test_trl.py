@@ -128,6 +128,21 @@ def test_fields_and_gradients_match_trl_within_the_rule(name):
         assert_within_rule(f"{name} grad {pname}", g_ours[pname], g_stock[pname], g_truth[pname])
 
 
+@pytest.mark.parametrize("skip_threshold", [None, 2.0**-12])
+def test_skip_threshold_reaches_the_log_probs(skip_threshold):
+    # patch(skip_threshold=...) is linear_log_probs's: a fixed threshold makes a skip plan in each backward (on the
+    # kernels, here through the interpreter), None none.
+    from logitless import kernels
+
+    plans = []
+    batch = _batch(seed=2)
+    model = _copy("llama", patched=True, backend="triton", skip_threshold=skip_threshold)
+    with kernels.tuning(debug_plans=plans):
+        out = model(**batch, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert len(plans) == (0 if skip_threshold is None else 1)
+
+
 def test_no_grad_pass_shift_labels_and_loss():
     batch = _batch(seed=1)
     stock, ours = _copy("llama", outputs=("log_probs",)), _copy("llama", patched=True, outputs=("log_probs",))
@@ -166,6 +181,8 @@ def test_patch_is_per_instance_and_unpatch_restores():
         ltrl.patch(copy.deepcopy(_base("llama")))
     with pytest.raises(ValueError, match="backend"):
         ltrl.patch(model, backend="cuda")
+    with pytest.raises(ValueError, match="skip_threshold"):
+        ltrl.patch(model, skip_threshold="always")
     with pytest.raises(TypeError, match="trainer or a model"):
         ltrl.patch(object())
 

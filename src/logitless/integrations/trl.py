@@ -183,7 +183,8 @@ def _fused(model: nn.Module, plan: _Plan, head: nn.Module, *args, fused_lm_head=
     with torch.autocast(device_type, enabled=False):
         scored = linear_log_probs(xs, weight, ts, linear_bias=bias, softcap=softcap, temperature=temperature,
                                   ignore_index=-100, return_entropy="entropy" in want,
-                                  backend=plan.options["backend"], workspace_bytes=plan.options["workspace_bytes"])
+                                  backend=plan.options["backend"], workspace_bytes=plan.options["workspace_bytes"],
+                                  skip_threshold=plan.options["skip_threshold"])
         logp, ent = scored if "entropy" in want else (scored, None)
         extra = _metrics(xs, weight, bias, ts, softcap, temperature, want, plan.options["backend"])
 
@@ -310,8 +311,8 @@ def _unpatch_model(model: nn.Module) -> None:
         plan.disabled = True
 
 
-def patch(trainer, *, backend: str = "auto", workspace_bytes: int | None = None, compact: bool = True,
-          strict: bool = False):
+def patch(trainer, *, backend: str = "auto", workspace_bytes: int | None = None, skip_threshold="auto",
+          compact: bool = True, strict: bool = False):
     """Make a TRL trainer compute its per-token log-probs and entropies with ``linear_log_probs``.
 
     Call it after constructing the trainer (which gives its models TRL's fused LM head) and before ``train()``.
@@ -326,6 +327,9 @@ def patch(trainer, *, backend: str = "auto", workspace_bytes: int | None = None,
             that has TRL's fused head (``trl.trainer.utils.add_fused_lm_head``).
         backend: "auto", "triton" or "torch", as in ``linear_log_probs``.
         workspace_bytes: memory the Triton backward may allocate, as in ``linear_log_probs``.
+        skip_threshold: as in ``linear_log_probs``: ``"auto"`` skips cold tiles of the backward where that pays,
+            ``None`` runs the dense plans, which keep less memory at this head's backward
+            (docs/design/skipping.md, "Where the skipping backward's memory goes").
         compact: score only the tokens with a label (one host synchronisation per call for their count, as TRL's
             head makes on GPUs); False scores every position with ignored targets instead, without synchronising.
         strict: raise :class:`UnsupportedModelError` where the head cannot be reproduced (a head that is not a plain
@@ -338,9 +342,11 @@ def patch(trainer, *, backend: str = "auto", workspace_bytes: int | None = None,
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _validate.check_workspace(workspace_bytes)
+    _validate.check_skip_options(skip_threshold, "none", None, None)
     _validate.check_flag("compact", compact)
     _validate.check_flag("strict", strict)
-    options = dict(backend=backend, workspace_bytes=workspace_bytes, compact=compact, strict=strict)
+    options = dict(backend=backend, workspace_bytes=workspace_bytes, skip_threshold=skip_threshold, compact=compact,
+                   strict=strict)
     for model in _models(trainer):
         _patch_model(model, options)
     return trainer
