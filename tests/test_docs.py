@@ -178,7 +178,7 @@ def test_the_commit_check_finds_a_commit():
 
 # Source comments and docstrings give the reason; the measured ms and the GPU live in the docs pages (apps/bench's
 # report strings name devices as data, and it is left out).
-_MEASURED = re.compile(r"\bH[12]00\b|\d ms\b")
+_MEASURED = re.compile(r"\bH[12]00\b|\d (?:ms|us|µs)\b")
 
 
 def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:

@@ -21,7 +21,8 @@ INTERPRETER_SMS_CE = 4
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host-side grid and plan arithmetic. triton.cdiv is a JIT-aware wrapper in recent Triton
-    releases (~2 us a call on the host): the backward's planner makes a few hundred such calls per step."""
+    releases, slower on the host (docs/design/host_time.md): the backward's planner makes a few hundred such calls
+    per step."""
     return -(-a // b)
 
 

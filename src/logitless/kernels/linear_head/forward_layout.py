@@ -15,7 +15,7 @@ def _fwd_layout(n_blocks: int, n_vtiles: int, sms: int, group: int, waves: int) 
     last one shorter). The n_blocks * n_big programs of the first phase run before those of the second.
 
     One program per multiprocessor runs at a time, so with equal splits the last wave leaves most of the GPU idle
-    while a few programs finish (3-4% of the forward at the issue shapes, 6-12% at smaller ones). Here the first
+    while a few programs finish (docs/design/forward.md, "The grid in two phases"). Here the first
     phase is sized to end, on the busiest multiprocessors, at the even share of all tiles, and the second phase's
     short programs fill the others up to it; what is left is about half a short program. A split count keeps about
     sms / 2 programs on one group of token blocks at a time (their x blocks and W tiles shared in L2), and at most

@@ -156,8 +156,9 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
         bw.rec = BackwardRecord("linear_head", bw.ws, bw.skip, lay, plan.chunk, plan.dw_end, plan.dz_main is not None,
                                 storage_address(plan.dx_acc))
         records.append(bw.rec)
-    # cuBLAS's settings saved and restored once per backward, not around each chunk's products (~45 us of host
-    # time a chunk, which small heads wait on: products._Fp32Reductions is reentrant, the inner ones cost nothing)
+    # cuBLAS's settings saved and restored once per backward, not around each chunk's products (host time a chunk,
+    # which small heads wait on: docs/design/host_time.md; products._Fp32Reductions is reentrant, the inner ones
+    # cost nothing)
     with products._Fp32Reductions() if bw.torch_products and (need_dx or need_dw) else contextlib.nullcontext():
         bw.run(need_dx, need_dw, need_db)
     if rows is not None and dx is not None:

@@ -68,7 +68,7 @@ def _mix_terms(u, log_beta, log_1mb, c0):
     # -LSE(u + log beta, log(1 - beta)) and -LSE(log beta, log(1 - beta) - u), whose arguments differ by the same
     # |u - c0|, c0 = log((1 - beta) / beta): one exp and one log for both. With u exact to the logits' rounding,
     # each is off by an ulp of max(|log beta|, |log(1 - beta)|), not of log V as log p - log M from log-probabilities
-    # is; expm1 / log1p forms (an ulp of the value) measured 1.2-1.3 x slower on the JSD.
+    # is; expm1 / log1p forms (an ulp of the value) were slower on the JSD (docs/math.md).
     t = _log1p(exp(-tl.abs(u - c0)))
     d_s = -tl.maximum(u + log_beta, log_1mb) - t
     # Near agreement (|u| < 0.1) the sum above keeps an ulp of log(1 - beta) or log(beta) (6e-8 at beta = 0.5)
