@@ -564,3 +564,21 @@ def test_tied_embedding_gradient_is_summed_in_place_on_the_cpu():
     logitless.unpatch(ours)  # the rows (and .grad) back in class order
     torch.testing.assert_close(ours.lm_head.weight.grad, stock.lm_head.weight.grad)
     assert emb._parameters["weight"] is ours.lm_head.weight and emb.sparse is False
+
+
+def test_tied_head_leaves_half_of_its_gradient_to_the_tied_node(monkeypatch):
+    # On a CPU the patched loss makes the tied head's gradient for the first half of the classes in its forward and
+    # the tied node the rest, after the backbone's backward (logitless.later_grad): one maker left per step, the
+    # whole gradient within the rule.
+    from logitless import later_grad
+
+    left = []
+    add = later_grad.LaterWeightGrad.add
+    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    ids = torch.randint(3, 4099, (2, 12), generator=torch.Generator().manual_seed(1))
+    truth, stock, ours = _gemma3_tied(torch.float64), _gemma3_tied(), logitless.patch(_gemma3_tied())
+    for m in (truth, stock, ours):
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert left == [1]
+    assert_within_rule("tied weight", ours.lm_head.weight.grad, stock.lm_head.weight.grad,
+                       truth.lm_head.weight.grad)

@@ -19,8 +19,8 @@ import contextvars
 
 import torch
 
-# The share of the vocabulary whose rows of the weight's gradient are made later: on Gemma 3 270M's training step
-# on a CPU it takes the peak to a third of stock's at a sixth more of the head's time (docs/design/tied_head.md).
+# The share of the vocabulary whose rows of the weight's gradient are made later: more lowers the peak further and
+# recomputes more logits (docs/design/tied_head.md, "Half of it later").
 LATER_SHARE = 0.5
 
 

@@ -149,8 +149,6 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
     acc = acc_dtype(x.dtype)
     need_x, need_w, need_b = needs
     f = dict(device=x.device, dtype=acc)
-    wa = w if w.dtype == acc else w.to(acc)
-    ba = None if b is None else b.to(acc)
     valid, w_t, w_sum = ce_row_terms(target, class_w, ignore_index, eps, V, acc)
     # The reduction's factor per row, 0 where ignored (where(): 1 / 0 when every row is ignored must not reach them).
     r = valid.to(acc) if reduction == "sum" else torch.where(valid, 1.0 / w_t.sum(), 0.0)
@@ -170,8 +168,9 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
         rest = torch.empty(n, **f) if dw_rows is not None else None
         e_t_all = torch.empty(n, **f) if dw_rows is not None else None
     cols = V - c0  # the classes [c0, V) this call's logits cover
-    wk = wa[c0:]
-    bk = None if ba is None else ba[c0:]
+    # W (and b) in the accumulation dtype, over the classes this call covers only (a half-precision head's copy).
+    wa = w[c0:] if w.dtype == acc else w[c0:].to(acc)
+    bk = None if b is None else b[c0:].to(acc)
     cwk = None if class_w is None else class_w[c0:]
     # The target's column among them: where a row's target lies in [c0, V).
     here = inside & (target >= c0)
@@ -190,9 +189,9 @@ def _fused_forward(x, w, b, target, class_w, reduction, ignore_index, eps, z_los
         x_c = x[sl] if x.dtype == acc else x[sl].to(acc)
         z = buf[: (i1 - i0) * cols].view(i1 - i0, cols)
         if bk is not None:
-            torch.addmm(bk, x_c, wk.T, out=z)
+            torch.addmm(bk, x_c, wa.T, out=z)
         else:
-            torch.mm(x_c, wk.T, out=z)
+            torch.mm(x_c, wa.T, out=z)
         slope = None
         if softcap is not None:  # the chain factor from the raw logits (softcap_slope's form), then the cap
             slope = slope_buf[: z.numel()].view_as(z)
