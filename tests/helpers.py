@@ -166,3 +166,14 @@ def assert_compiled_matches_eager(loss_fn, x, w, b, t, compile_backend="inductor
     torch.testing.assert_close(comp, eager)
     for ge, gc in zip(grads(eager, [xo, wo, bo]), grads(comp, [xc, wc, bc]), strict=True):
         torch.testing.assert_close(gc, ge)
+
+
+def spy_later_grads(monkeypatch) -> list:
+    """A list that gets one entry each time a fused loss leaves part of a weight's gradient to a later node
+    (logitless.later_grad.LaterWeightGrad.add), until the test ends."""
+    from logitless import later_grad
+
+    left = []
+    add = later_grad.LaterWeightGrad.add
+    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    return left

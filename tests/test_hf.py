@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import logitless  # noqa: E402
 from logitless import testing  # noqa: E402
 from logitless.integrations import heads, hf  # noqa: E402
-from tests.helpers import assert_within_rule  # noqa: E402
+from tests.helpers import assert_within_rule, spy_later_grads  # noqa: E402
 
 V = 97  # odd vocabulary
 B, T = 3, 11
@@ -570,11 +570,8 @@ def test_tied_head_leaves_half_of_its_gradient_to_the_tied_node(monkeypatch):
     # On a CPU the patched loss makes the tied head's gradient for the first half of the classes in its forward and
     # the tied node the rest, after the backbone's backward (logitless.later_grad): one maker left per step, the
     # whole gradient within the rule.
-    from logitless import later_grad
 
-    left = []
-    add = later_grad.LaterWeightGrad.add
-    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    left = spy_later_grads(monkeypatch)
     ids = torch.randint(3, 4099, (2, 12), generator=torch.Generator().manual_seed(1))
     truth, stock, ours = _gemma3_tied(torch.float64), _gemma3_tied(), logitless.patch(_gemma3_tied())
     for m in (truth, stock, ours):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import logitless
 from logitless import loss_math, testing, torch_backend
 from logitless.apps.bench.measure import _cpu_peak
-from tests.helpers import V, assert_within_rule, check_against_truth, grads, leaves, make_case
+from tests.helpers import V, assert_within_rule, check_against_truth, grads, leaves, make_case, spy_later_grads
 
 lce = functools.partial(logitless.linear_cross_entropy, backend="torch")
 
@@ -215,7 +215,6 @@ def test_weight_gradient_made_in_part_later(opts, chunked, monkeypatch):
     # A head tied to the input embedding on a CPU (integrations.tied): within head_grad_later the fused forward makes
     # W's gradient for the classes below later_grad.split(V) and the tied node, which runs last, makes the rest.
     # The whole gradient, and the others, within the rule; the rest was left to the node.
-    from logitless import later_grad
     from logitless.integrations import tied
 
     if chunked:
@@ -225,9 +224,7 @@ def test_weight_gradient_made_in_part_later(opts, chunked, monkeypatch):
     kw = dict(opts)
     if kw.pop("weight", False):
         kw["weight"] = torch.rand(V, generator=torch.Generator().manual_seed(2)) + 0.5
-    left = []
-    add = later_grad.LaterWeightGrad.add
-    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    left = spy_later_grads(monkeypatch)
     up = torch.tensor(-2.5, dtype=torch.float64)
     emb = torch.nn.Embedding(V, w.shape[1])
     emb.weight = torch.nn.Parameter(w.clone())
@@ -255,12 +252,9 @@ def test_weight_gradient_in_part_later_other_backwards(monkeypatch):
     # The part left to the tied node only in a plain backward that frees the graph and runs the node: a kept graph,
     # autograd.grad of the input alone and create_graph=True make the whole gradient in the loss's own backward, the
     # same numbers.
-    from logitless import later_grad
     from logitless.integrations import tied
 
-    left = []
-    add = later_grad.LaterWeightGrad.add
-    monkeypatch.setattr(later_grad.LaterWeightGrad, "add", lambda self, maker: left.append(1) or add(self, maker))
+    left = spy_later_grads(monkeypatch)
     x, w, _, t = make_case(torch.float32, n=37, ignore_frac=0.3, scale=3.0)
 
     def run():
