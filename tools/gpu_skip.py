@@ -5,12 +5,12 @@
 
 For each data kind and skip_threshold (0: no skipping, "auto", or a float), in bfloat16 with the mean loss of
 linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-up), the fraction of (token block x
-tile) pairs the backward skipped and the largest per-row bound on the skipped mass (from the plan), and one profiled
-fwd+bwd whose CUDA kernel time is summed by kernel name (the forward, the plan's PyTorch ops, the dz kernel, the
-gradient products, the rest). Each --tune (comma-separated field=value pairs of kernels.Tuning, integers or floats)
-is a variant run at every threshold; none: the defaults. A field `cfg.NAME` changes that field of the device's
-linear-head Config (e.g. `cfg.grad_stages=3`). Errors against float64 are the benchmark's job (`logitless
-bench`, whose provider logitless-triton-skip is skip_threshold="auto").
+tile) pairs the backward skipped, the peak memory above the inputs and the gradients, and the largest per-row bound
+on the skipped mass (from the plan), and one profiled fwd+bwd whose CUDA kernel time is summed by kernel name (the
+forward, the plan's PyTorch ops, the dz kernel, the gradient products, the rest). Each --tune (comma-separated
+field=value pairs of kernels.Tuning, integers or floats) is a variant run at every threshold; none: the defaults. A
+field `cfg.NAME` changes that field of the device's linear-head Config (e.g. `cfg.grad_stages=3`). Errors against
+float64 are the benchmark's job (`logitless bench`, whose provider logitless-triton-skip is skip_threshold="auto").
 """
 
 from __future__ import annotations
@@ -88,6 +88,13 @@ def main(argv=None) -> int:
                 tune["linear_config"] = lh.config_for(x).replace(**cfg_fields)
             with kernels.tuning(debug_plans=plans, **tune):
                 ms = _time(step, args.reps)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                # above the inputs and the two gradients (outputs, as the bench counts them)
+                peak = (torch.cuda.max_memory_allocated() - base - 2 * (N + V) * D) / 2**20
                 plans.clear()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
                 bound = plans[0].row_bound.max().item()
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
             print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  "
-                  f"skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n    kernel ms: {parts}")
+                  f"peak {peak:6.0f} MiB  skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n    kernel ms: {parts}")
     return 0
 
 

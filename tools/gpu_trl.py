@@ -29,6 +29,11 @@ tokenizer) and ``--text random`` use uniform random tokens.
     python tools/gpu_trl.py --model /path/to/Qwen3-0.6B --dtype bf16
     python tools/gpu_trl.py --tiny                                  # CPU check: a 2-layer model built here
     python tools/gpu_trl.py --gguf gemma3-270m --tune skip_wide=8192 # a kernels.Tuning field for logitless
+    python tools/gpu_trl.py --gguf gemma3-270m --variant skip_wide=8192 --variant skip_wide=32768  # A/B in one run
+
+Each ``--variant`` adds a logitless process with those Tuning fields (on top of ``--tune``), its row named
+``logitless[FIELDS]``, timed against the same TRL row. With a GGUF file the first process saves the loaded model
+(in TMPDIR) and the later ones load that: the file's dequantisation runs once.
 
 Prints one JSON line per provider, the log-probs' agreement and a table; ``--json PATH`` writes all of it.
 """
@@ -39,6 +44,7 @@ import argparse
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,6 +84,10 @@ def _model(args, device, dtype):
                                           max_position_embeddings=args.prompt + args.completion)
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to(dtype)
+    elif args.saved_model:
+        config = transformers.AutoConfig.from_pretrained(args.saved_model)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict(torch.load(Path(args.saved_model) / "state.pt", mmap=True))
     else:
         src, extra = _source(args)
         # A GGUF file is dequantised to float32 by transformers; the cast to --dtype follows.
@@ -145,6 +155,9 @@ def run_one(args) -> list[dict]:
     t_load = time.perf_counter()
     model = _model(args, device, dtype)
     t_load = time.perf_counter() - t_load
+    if args.save_model:  # config and weights as loaded (a GGUF-loaded model refuses save_pretrained)
+        model.config.save_pretrained(args.save_model)
+        torch.save(model.state_dict(), Path(args.save_model) / "state.pt")
     add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
     if args.provider == "logitless":
         import logitless.integrations.trl as ltrl
@@ -202,18 +215,64 @@ def run_one(args) -> list[dict]:
                 from logitless.apps.bench.measure import _cpu_peak
 
                 peaks[name] = _cpu_peak(fn)[0]
+        phases = _phase_peaks(model, train_step) if device.type == "cuda" else {}
         if not rows:
             torch.save(lp.float().cpu(), args.save)
         rows.append(dict(
-            provider=args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            provider=args.label or args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             model=type(model).__name__, attention=getattr(model.config, "_attn_implementation", None),
             dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt, completion=args.completion,
             checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
             load_s=t_load, train_s=sorted(times["train"])[len(times["train"]) // 2],
             no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
             train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
-            torch=torch.__version__))
+            **{f"train_peak_{k}_mib": b / 2**20 for k, b in phases.items()}, torch=torch.__version__))
     return rows
+
+
+def _phase_peaks(model, train_step) -> dict:
+    """Where the training call's peak is (CUDA, one more untimed call): bytes above the call's start at most during
+    the backbone's forward, the head (its forward, the loss and its backward, until the gradient of the final
+    norm's output, the head's input, is made) and the backbone's backward (checkpointing's recomputation
+    included)."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None:
+        return {}
+    out = {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+
+    def mark(name):
+        out[name] = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_forward(_module, _inputs, output):
+        mark("backbone_forward")  # the head has not run yet
+        if output.requires_grad:
+            output.register_hook(lambda grad: mark("head"))
+
+    handle = norm.register_forward_hook(on_forward)
+    try:
+        train_step()
+    finally:
+        handle.remove()
+    torch.cuda.synchronize()
+    mark("backbone_backward")
+    return out
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value (both spellings: "--flag V" and "--flag=V")."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def _settings(checkpointing: str) -> tuple[str, ...]:
@@ -250,17 +309,26 @@ def main() -> None:
                    help="gradient checkpointing of the backbone (on: TRL's trainers' default; both: on, then off, "
                         "on the same loaded model)")
     p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
+    p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="one more logitless process with these Tuning fields (repeatable)")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
+    p.add_argument("--label", help=argparse.SUPPRESS)
+    p.add_argument("--save-model", help=argparse.SUPPRESS)
+    p.add_argument("--saved-model", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--tune", action="append", default=[], metavar="FIELD=VALUE",
                    help="a logitless.kernels.Tuning field for the logitless provider's process (repeatable), e.g. "
                         "skip_wide=8192")
     args = p.parse_args()
-    try:
-        tune = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.tune)}
-    except (ValueError, SyntaxError):
-        p.error("--tune takes FIELD=VALUE, VALUE a Python literal")
+    def fields(items, flag):
+        try:
+            return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in items)}
+        except (ValueError, SyntaxError):
+            p.error(f"{flag} takes FIELD=VALUE, VALUE a Python literal")
+
+    tune = fields(args.tune, "--tune")
+    variants = [(spec, {**tune, **fields(spec.split(","), "--variant")}) for spec in args.variant]
     if args.provider:
         from logitless import kernels
 
@@ -279,30 +347,45 @@ def main() -> None:
     torch.save(ids, ids_file)
     print(f"tokens: {args.batch} x ({args.prompt} + {args.completion}) of {text} ({tokenize_s:.0f} s)", flush=True)
     rows, logps = [], {}
+    runs = [(pr, pr, None) for pr in PROVIDERS] + [("logitless", f"logitless[{spec}]", t) for spec, t in variants]
+    saved_model = out_dir / f"gpu_trl_{os.getpid()}_model" if args.gguf and len(runs) > 2 else None
     try:
-        for provider in PROVIDERS:
-            save = out_dir / f"gpu_trl_{os.getpid()}_{provider}.pt"
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--provider", provider, "--save", str(save),
-                   "--ids", str(ids_file)]
+        for i, (provider, label, variant_tune) in enumerate(runs):
+            save = out_dir / f"gpu_trl_{os.getpid()}_{i}.pt"
+            argv = list(sys.argv[1:])
+            extra = []
+            if saved_model is not None:
+                if i == 0:
+                    extra = ["--save-model", str(saved_model)]
+                else:  # the weights the first process loaded, without the GGUF file's dequantisation
+                    extra = ["--saved-model", str(saved_model)]
+            if variant_tune is not None:
+                argv = _without(_without(argv, "--tune"), "--variant")
+                argv += [a for k, v in variant_tune.items() for a in ("--tune", f"{k}={v!r}")]
+            cmd = [sys.executable, __file__, *argv, *extra, "--provider", provider, "--label", label,
+                   "--save", str(save), "--ids", str(ids_file)]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
-                sys.exit(f"{provider} failed:\n{res.stderr[-4000:]}")
+                sys.exit(f"{label} failed:\n{res.stderr[-4000:]}")
             for row in json.loads(res.stdout.strip().splitlines()[-1]):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            logps[provider] = torch.load(save)
+            logps[label] = torch.load(save)
             save.unlink()
     finally:
         ids_file.unlink()
+        if saved_model is not None and saved_model.exists():
+            shutil.rmtree(saved_model)
     d = (logps["trl"] - logps["logitless"]).abs()
     diff, mean_diff = float(d.max()), float(d.mean())
     agree = diff <= AGREE[args.dtype]
     keys = ("train_s", "no_grad_s", "train_peak_mib", "no_grad_peak_mib")
     ratios = {}
     for setting in _settings(args.checkpointing):
-        trl_row, ours = (next(r for r in rows if r["provider"] == pr and r["checkpointing"] == setting)
-                         for pr in PROVIDERS)
-        ratios[setting] = {k: ours[k] / trl_row[k] if trl_row[k] else None for k in keys}
+        trl_row = next(r for r in rows if r["provider"] == "trl" and r["checkpointing"] == setting)
+        for ours in (r for r in rows if r["provider"] != "trl" and r["checkpointing"] == setting):
+            key = setting if ours["provider"] == "logitless" else f"{setting} {ours['provider']}"
+            ratios[key] = {k: ours[k] / trl_row[k] if trl_row[k] else None for k in keys}
     if args.json:
         report = dict(rows=rows, text=text, tokenize_s=tokenize_s, log_prob_max_abs_diff=diff,
                       log_prob_mean_abs_diff=mean_diff, agree=agree, agree_tolerance=AGREE[args.dtype],
@@ -323,9 +406,11 @@ def main() -> None:
         for r in (r for r in rows if r["checkpointing"] == setting):
             print(f"| {setting} | {r['provider']} | {r['train_s']:.4f} | {r['no_grad_s']:.4f} | "
                   f"{r['train_peak_mib']:.1f} | {r['no_grad_peak_mib']:.1f} |")
-        f = {k: f"{x:.3f}" if x is not None else "-" for k, x in ratios[setting].items()}
-        print(f"| {setting} | logitless / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
-              f"{f['no_grad_peak_mib']} |")
+        for key in (k for k in ratios if k.split(" ")[0] == setting):
+            f = {k: f"{x:.3f}" if x is not None else "-" for k, x in ratios[key].items()}
+            who = "logitless" if key == setting else key.split(" ", 1)[1]
+            print(f"| {setting} | {who} / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
+                  f"{f['no_grad_peak_mib']} |")
     if not agree:
         sys.exit("the providers' log-probs disagree: see the largest difference above")
 
