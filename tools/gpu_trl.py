@@ -87,7 +87,11 @@ def _model(args, device, dtype):
     elif args.saved_model:
         config = transformers.AutoConfig.from_pretrained(args.saved_model)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.load_state_dict(torch.load(Path(args.saved_model) / "state.pt", mmap=True))
+        saved = torch.load(Path(args.saved_model) / "state.pt", mmap=True)
+        model.load_state_dict(saved["state"])
+        for name, buf in saved["buffers"].items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buf
     else:
         src, extra = _source(args)
         # A GGUF file is dequantised to float32 by transformers; the cast to --dtype follows.
@@ -157,7 +161,10 @@ def run_one(args) -> list[dict]:
     t_load = time.perf_counter() - t_load
     if args.save_model:  # config and weights as loaded (a GGUF-loaded model refuses save_pretrained)
         model.config.save_pretrained(args.save_model)
-        torch.save(model.state_dict(), Path(args.save_model) / "state.pt")
+        # every buffer too: the non-persistent ones (rotary frequencies) were cast with the model, which a model
+        # built from the config would not repeat
+        torch.save(dict(state=model.state_dict(), buffers=dict(model.named_buffers())),
+                   Path(args.save_model) / "state.pt")
     add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
     if args.provider == "logitless":
         import logitless.integrations.trl as ltrl
