@@ -223,6 +223,8 @@ def run_one(args) -> list[dict]:
 
                 peaks[name] = _cpu_peak(fn)[0]
         phases = _phase_peaks(model, train_step) if device.type == "cuda" else {}
+        kernels = ({name: _kernel_times(fn) for name, fn in (("train", train_step), ("no_grad", no_grad_pass))}
+                   if args.profile and device.type == "cuda" else None)
         if not rows:
             torch.save(lp.float().cpu(), args.save)
         rows.append(dict(
@@ -233,8 +235,22 @@ def run_one(args) -> list[dict]:
             load_s=t_load, train_s=sorted(times["train"])[len(times["train"]) // 2],
             no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
             train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
-            **{f"train_peak_{k}_mib": b / 2**20 for k, b in phases.items()}, torch=torch.__version__))
+            **{f"train_peak_{k}_mib": b / 2**20 for k, b in phases.items()},
+            **({} if kernels is None else {"kernel_ms": kernels}), torch=torch.__version__))
     return rows
+
+
+def _kernel_times(fn, top: int = 14) -> dict:
+    """CUDA time of one more call by kernel name, in ms: the `top` largest, the rest summed, and the call's total."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = sorted(((ev.device_time_total / 1e3, ev.key[:90]) for ev in prof.key_averages() if ev.device_time_total),
+                   reverse=True)
+    out = {name: round(ms, 3) for ms, name in times[:top]}
+    out["(rest)"] = round(sum(ms for ms, _ in times[top:]), 3)
+    out["(all kernels)"] = round(sum(ms for ms, _ in times), 3)
+    return out
 
 
 def _phase_peaks(model, train_step) -> dict:
@@ -316,6 +332,8 @@ def main() -> None:
                    help="gradient checkpointing of the backbone (on: TRL's trainers' default; both: on, then off, "
                         "on the same loaded model)")
     p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: one more call of each pass under torch.profiler, kernel times in the rows (kernel_ms)")
     p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                    help="one more logitless process with these Tuning fields (repeatable)")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
@@ -418,6 +436,9 @@ def main() -> None:
             who = "logitless" if key == setting else key.split(" ", 1)[1]
             print(f"| {setting} | {who} / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
                   f"{f['no_grad_peak_mib']} |")
+    for r in (r for r in rows if "kernel_ms" in r):
+        for name, ks in r["kernel_ms"].items():
+            print(f"{r['provider']} {name} kernels (ms): " + ", ".join(f"{k} {v}" for k, v in ks.items()))
     if not agree:
         sys.exit("the providers' log-probs disagree: see the largest difference above")
 
