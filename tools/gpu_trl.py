@@ -45,6 +45,7 @@ import ast
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -223,6 +224,9 @@ def run_one(args) -> list[dict]:
 
                 peaks[name] = _cpu_peak(fn)[0]
         phases = _phase_peaks(model, train_step) if device.type == "cuda" else {}
+        ab = (_interleaved(model, train_step, no_grad_pass, sync, args.interleave)
+              if args.interleave and args.provider == "logitless" and not args.label.startswith("logitless[")
+              else None)
         kernels = ({name: _kernel_times(fn) for name, fn in (("train", train_step), ("no_grad", no_grad_pass))}
                    if args.profile and device.type == "cuda" else None)
         if not rows:
@@ -236,8 +240,39 @@ def run_one(args) -> list[dict]:
             no_grad_s=sorted(times["no_grad"])[len(times["no_grad"]) // 2],
             train_peak_mib=peaks["train"] / 2**20, no_grad_peak_mib=peaks["no_grad"] / 2**20,
             **{f"train_peak_{k}_mib": b / 2**20 for k, b in phases.items()},
-            **({} if kernels is None else {"kernel_ms": kernels}), torch=torch.__version__))
+            **({} if kernels is None else {"kernel_ms": kernels}), **({} if ab is None else {"interleaved": ab}),
+            torch=torch.__version__))
     return rows
+
+
+def _interleaved(model, train_step, no_grad_pass, sync, rounds: int, calls: int = 3) -> dict:
+    """TRL's head and logitless's on this one loaded model, alternating (unpatch, patch) for `rounds` rounds, the
+    order swapped every round; each turn one untimed call of each pass, then `calls` timed ones. Median seconds per
+    provider and pass over all timed calls, and logitless / trl: a comparison that the processes' differences
+    (clocks, allocator, host load) do not enter."""
+    import logitless.integrations.trl as ltrl
+
+    times = {(who, name): [] for who in ("trl", "logitless") for name in ("train", "no_grad")}
+    for r in range(rounds):
+        for who in (("trl", "logitless") if r % 2 == 0 else ("logitless", "trl")):
+            if who == "trl":
+                ltrl.unpatch(model)
+            elif not ltrl.is_patched(model):
+                ltrl.patch(model)
+            for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
+                fn()
+                for _ in range(calls):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    times[who, name].append(time.perf_counter() - t0)
+    if not ltrl.is_patched(model):
+        ltrl.patch(model)
+    med = {f"{who}_{name}_s": statistics.median(v) for (who, name), v in times.items()}
+    return dict(rounds=rounds, calls=calls, **med,
+                train_ratio=med["logitless_train_s"] / med["trl_train_s"],
+                no_grad_ratio=med["logitless_no_grad_s"] / med["trl_no_grad_s"])
 
 
 def _kernel_times(fn, top: int = 14) -> dict:
@@ -334,6 +369,8 @@ def main() -> None:
     p.add_argument("--json", help="write the rows, the agreement and the versions to this file")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: one more call of each pass under torch.profiler, kernel times in the rows (kernel_ms)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="also time TRL's head and logitless's alternately on the logitless process's model")
     p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                    help="one more logitless process with these Tuning fields (repeatable)")
     p.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
@@ -436,6 +473,11 @@ def main() -> None:
             who = "logitless" if key == setting else key.split(" ", 1)[1]
             print(f"| {setting} | {who} / trl | {f['train_s']} | {f['no_grad_s']} | {f['train_peak_mib']} | "
                   f"{f['no_grad_peak_mib']} |")
+    for r in (r for r in rows if "interleaved" in r):
+        a = r["interleaved"]
+        print(f"interleaved on one model ({a['rounds']} rounds x {a['calls']} calls): train {a['logitless_train_s']:.4f}"
+              f" / {a['trl_train_s']:.4f} s = {a['train_ratio']:.3f}, no-grad {a['logitless_no_grad_s']:.4f} / "
+              f"{a['trl_no_grad_s']:.4f} s = {a['no_grad_ratio']:.3f} (logitless / trl)")
     for r in (r for r in rows if "kernel_ms" in r):
         for name, ks in r["kernel_ms"].items():
             print(f"{r['provider']} {name} kernels (ms): " + ", ".join(f"{k} {v}" for k, v in ks.items()))
