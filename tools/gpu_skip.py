@@ -108,7 +108,8 @@ def main(argv=None) -> int:
                 bound = plans[0].row_bound.max().item()
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
             print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  "
-                  f"peak {peak:6.0f} MiB  skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n    kernel ms: {parts}")
+                  f"peak {peak:6.0f} MiB  skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n"
+                  f"    kernel ms: {parts}")
     return 0
 
 

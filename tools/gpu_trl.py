@@ -232,7 +232,8 @@ def run_one(args) -> list[dict]:
         if not rows:
             torch.save(lp.float().cpu(), args.save)
         rows.append(dict(
-            provider=args.label or args.provider, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            provider=args.label or args.provider,
+            device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             model=type(model).__name__, attention=getattr(model.config, "_attn_implementation", None),
             dtype=args.dtype, vocab=v, batch=args.batch, prompt=args.prompt, completion=args.completion,
             checkpointing=setting, completion_nll=float(-lp.float()[scored].mean()),
@@ -255,9 +256,10 @@ def _interleaved(model, train_step, no_grad_pass, sync, rounds: int, calls: int 
     times = {(who, name): [] for who in ("trl", "logitless") for name in ("train", "no_grad")}
     for r in range(rounds):
         for who in (("trl", "logitless") if r % 2 == 0 else ("logitless", "trl")):
-            if who == "trl":
+            # (a round ends with the provider the next one starts with: it stays as it is)
+            if who == "trl" and ltrl.is_patched(model):
                 ltrl.unpatch(model)
-            elif not ltrl.is_patched(model):
+            elif who == "logitless" and not ltrl.is_patched(model):
                 ltrl.patch(model)
             for name, fn in (("train", train_step), ("no_grad", no_grad_pass)):
                 fn()
@@ -475,9 +477,9 @@ def main() -> None:
                   f"{f['no_grad_peak_mib']} |")
     for r in (r for r in rows if "interleaved" in r):
         a = r["interleaved"]
-        print(f"interleaved on one model ({a['rounds']} rounds x {a['calls']} calls): train {a['logitless_train_s']:.4f}"
-              f" / {a['trl_train_s']:.4f} s = {a['train_ratio']:.3f}, no-grad {a['logitless_no_grad_s']:.4f} / "
-              f"{a['trl_no_grad_s']:.4f} s = {a['no_grad_ratio']:.3f} (logitless / trl)")
+        print(f"interleaved on one model ({a['rounds']} rounds x {a['calls']} calls), logitless / trl: train "
+              f"{a['logitless_train_s']:.4f} / {a['trl_train_s']:.4f} s = {a['train_ratio']:.3f}, no-grad "
+              f"{a['logitless_no_grad_s']:.4f} / {a['trl_no_grad_s']:.4f} s = {a['no_grad_ratio']:.3f}")
     for r in (r for r in rows if "kernel_ms" in r):
         for name, ks in r["kernel_ms"].items():
             print(f"{r['provider']} {name} kernels (ms): " + ", ".join(f"{k} {v}" for k, v in ks.items()))
