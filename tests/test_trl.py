@@ -8,6 +8,7 @@ float32 copy with TRL's head and logitless.integrations.trl.patch (ours).
 import copy
 import functools
 import json
+import os
 import runpy
 import string
 import subprocess
@@ -373,3 +374,21 @@ def test_example_runs(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["rl_grpo.py", "--steps", "1", "--vocab", "128"])
     runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "rl_grpo.py"), run_name="__main__")
     assert "step   1  loss" in capsys.readouterr().out
+
+
+def test_gpu_trl_tool_variants_and_interleaving(tmp_path):
+    """tools/gpu_trl.py on CPU with its 2-layer model: a --variant adds a process of its own, --interleave times
+    both heads on one model over rounds that start with either provider."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "gpu_trl.py"
+    out = tmp_path / "trl.json"
+    res = subprocess.run([sys.executable, str(tool), "--tiny", "--batch", "2", "--prompt", "8", "--completion", "16",
+                          "--repeats", "1", "--variant", "skip_wide=64", "--interleave", "3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["provider"] for r in report["rows"]] == ["trl", "logitless", "logitless[skip_wide=64]"]
+    assert report["agree"] and set(report["logitless_over_trl"]) == {"on", "on logitless[skip_wide=64]"}
+    ab = report["rows"][1]["interleaved"]
+    assert ab["rounds"] == 3 and ab["trl_train_s"] > 0 and ab["logitless_no_grad_s"] > 0
+    assert "interleaved" not in report["rows"][2]  # a variant's process times itself only
+    assert not list(tmp_path.glob("gpu_trl_*"))  # its scratch files are gone
