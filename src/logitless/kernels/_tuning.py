@@ -102,7 +102,7 @@ class Tuning:
     # the dense alternative is the column plan than where it is the row-chunk plan (three cuBLAS products, bf16 at
     # D >= row_chunk_min_d): skip_min_share_row_chunks (docs/design/skipping.md). 0 skips wherever a plan is
     # possible, from a head's first call (tests, A/B runs).
-    skip_min_share: float = 0.3
+    skip_min_share: float = 0.35
     skip_min_share_row_chunks: float = 0.5
     # ... a head found dense probes again after this many calls, the interval doubling after each dense finding up
     # to skip_probe_max.
