@@ -33,7 +33,10 @@ tokenizer) and ``--text random`` use uniform random tokens.
 
 Each ``--variant`` adds a logitless process with those Tuning fields (on top of ``--tune``), its row named
 ``logitless[FIELDS]``, timed against the same TRL row. With a GGUF file the first process saves the loaded model
-(in TMPDIR) and the later ones load that: the file's dequantisation runs once.
+(in TMPDIR) and the later ones load that: the file's dequantisation runs once. ``--interleave ROUNDS`` also times
+both heads alternately on the default logitless process's model (no difference between processes enters that
+ratio), and ``--profile`` adds each pass's kernel times; on CUDA each row also splits the training call's peak by
+phase (the backbone's forward, the head, the backbone's backward).
 
 Prints one JSON line per provider, the log-probs' agreement and a table; ``--json PATH`` writes all of it.
 """
@@ -225,7 +228,7 @@ def run_one(args) -> list[dict]:
                 peaks[name] = _cpu_peak(fn)[0]
         phases = _phase_peaks(model, train_step) if device.type == "cuda" else {}
         ab = (_interleaved(model, train_step, no_grad_pass, sync, args.interleave)
-              if args.interleave and args.provider == "logitless" and not args.label.startswith("logitless[")
+              if args.interleave and (args.label or args.provider) == "logitless"
               else None)
         kernels = ({name: _kernel_times(fn) for name, fn in (("train", train_step), ("no_grad", no_grad_pass))}
                    if args.profile and device.type == "cuda" else None)
