@@ -81,3 +81,28 @@ def test_triton_rows_do_not_depend_on_the_batch_gpu(V, D):
     perm = torch.randperm(4096, generator=torch.Generator().manual_seed(5)).cuda()
     subsets = [torch.arange(1, device="cuda"), perm[:3], perm[:17], perm[:256], perm[:1000], perm]
     _assert_rows_equal(x, w, t, subsets, "triton")
+
+
+def _grad_and_no_grad(device, backend="triton"):
+    # An RL step's old-policy (or reference) pass runs without gradients and its training pass with them: the
+    # ratio of the two must start at exactly 1, so the forward's values may not depend on whether a backward follows
+    # (with gradients the forward also sums each row's mass outside its target for the backward).
+    x, w, t = _head(torch.bfloat16, n=100, V=600)
+    x, w, t = x.to(device), w.to(device), t.to(device)
+    with torch.no_grad():
+        lp0, ent0 = logitless.linear_log_probs(x, w, t, return_entropy=True, backend=backend)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp1, ent1 = logitless.linear_log_probs(xg, wg, t, return_entropy=True, backend=backend)
+    assert torch.equal(lp0, lp1.detach()) and torch.equal(ent0, ent1.detach())
+    (lp1.sum() + ent1.sum()).backward()  # and the backward that the training pass's forward prepared runs
+    assert torch.isfinite(xg.grad).all() and torch.isfinite(wg.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_values_do_not_depend_on_grad_mode(backend):
+    _grad_and_no_grad("cpu", backend)
+
+
+@pytest.mark.gpu
+def test_triton_values_do_not_depend_on_grad_mode_gpu():
+    _grad_and_no_grad("cuda")

@@ -39,16 +39,18 @@ AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
                  "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx, bool want_lse, "
-                 "bool gate_skip) "
+                 "bool gate_skip, bool want_rest) "
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _has_rest(target, perm, want_entropy) -> bool:
+def _has_rest(target, perm, want_entropy, grads=True) -> bool:
     """Whether the forward sums rest = sum_{j != t} exp(z_j - m) for the backward's 1 - p_t: with the entropy and a
-    target (not with a vocabulary order, whose kernels would find the target's column by a compare in every tile).
-    Not for every target: summed in every forward (the loss alone too), it made the forward markedly slower, for a
-    precision that only near-certain rows' target column needs (docs/design/forward.md, "Tried and rejected")."""
-    return target is not None and perm is None and bool(want_entropy)
+    target (not with a vocabulary order, whose kernels would find the target's column by a compare in every tile),
+    when a backward may follow (grads: a gradient is wanted; a no-grad pass, an RL reference or old-policy pass,
+    has no use for it). Not for every target: summed in every forward (the loss alone too), it made the forward
+    markedly slower, for a precision that only near-certain rows' target column needs (docs/design/forward.md,
+    "Tried and rejected"). The other statistics do not depend on it, bit for bit."""
+    return target is not None and perm is None and bool(want_entropy) and bool(grads)
 
 
 def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
@@ -57,11 +59,11 @@ def _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes):
 
 @torch.library.custom_op("logitless::linear_head_stats", mutates_args=(), schema=_STATS_SCHEMA)
 def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles,
-              skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
+              skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip, want_rest):
     """(m, logs, zt, sw, ent), each (N,) float32, each row's float16 log-sum-exp per vocabulary tile that the
     backward's skipping needs (empty unless want_tiles), the stash: the buffer of the weight's gradient, in which
     the forward keeps logits for the backward (kernels/linear_head/plans.py, stash_layout; empty unless want_stash and
-    there is room), and with the entropy and a target (no perm: _has_rest) the backward's (mu, rest)
+    there is room), and with want_rest (_has_rest) the backward's (mu, rest)
     (loss_math.head_coefficients; mu only with the entropy; else empty). lse = m + logs and sw = sum_j w_j (z_j -
     m). For autograd the row max m is a constant offset (every use of these statistics is invariant to shifting it),
     so its gradient is ignored and logs carries d lse/dz_j = p_j. perm (a vocabulary order), skip_threshold,
@@ -77,7 +79,7 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
     stash = new_buffer(weight.shape, device=x.device, dtype=weight.dtype) if layout is not None else None
     extra = {} if stash is None else {"stash": (stash, layout)}
     mu_rest = None
-    if _has_rest(target, perm, want_entropy):
+    if want_rest:
         mu_rest = extra["mu_rest"] = new_buffer((2, x.shape[0]), device=x.device, dtype=torch.float32)
     stats = forward_stats(x, weight, bias, target, class_weight, softcap=softcap, inv_temp=inv_temp,
                              want_smooth=want_smooth, want_entropy=want_entropy, perm=perm, tile_lse=tiles, **extra)
@@ -90,12 +92,12 @@ def _stats_op(x, weight, bias, target, class_weight, softcap, inv_temp, want_smo
 
 @_stats_op.register_fake
 def _stats_fake(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm,
-                want_tiles, skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip):
+                want_tiles, skip_threshold, workspace_bytes, want_stash, stash_dx, want_lse, gate_skip, want_rest):
     tiles = (x.new_empty(tile_grid(x, weight), dtype=torch.float16)
              if want_tiles and x.shape[0] != 0 else x.new_empty(0, dtype=torch.float16))
     layout = _stash_layout(x, weight, want_stash, stash_dx, workspace_bytes)
     stash = weight.new_empty(weight.shape if layout is not None else 0)
-    n_mu = x.shape[0] if _has_rest(target, perm, want_entropy) else 0
+    n_mu = x.shape[0] if want_rest else 0
     return (*(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(5)), tiles, stash,
             x.new_empty(n_mu, dtype=torch.float32), x.new_empty(n_mu, dtype=torch.float32),
             x.new_empty(x.shape[0] if want_lse else 0, dtype=torch.float32))
@@ -165,9 +167,8 @@ def _grad_into_fake(x, weight, bias, target, class_weight, m, logs, A, B, C, E, 
 
 def _stats_setup_context(ctx, inputs, output):
     (x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth, want_entropy, perm, want_tiles, tau,
-     ws, _want_stash, _stash_dx, want_lse, gate_skip) = inputs
+     ws, _want_stash, _stash_dx, want_lse, gate_skip, has_rest) = inputs
     m, logs, zt, _, ent, tiles, stash, mu, rest, _lse = output
-    has_rest = _has_rest(target, perm, want_entropy)
     ctx.save_for_backward(x, weight, bias, target, class_weight, m, logs, ent, perm,
                           tiles if want_tiles and x.shape[0] != 0 else None, mu if has_rest and want_entropy else None,
                           rest if has_rest else None, zt if has_rest or (want_lse and target is not None) else None)
@@ -187,7 +188,7 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
-        return (None,) * 17
+        return (None,) * 18
     A, B, C, E, At = head_coefficients(m, logs, ent, g_logs, g_zt if target is not None else None,
                                        g_sw if want_smooth else None, g_ent if want_entropy else None, mu, rest,
                                        zt, g_lse if want_lse else None)
@@ -203,7 +204,7 @@ def _stats_backward(ctx, _g_m, g_logs, g_zt, g_sw, g_ent, _g_tiles, _g_stash, _g
     else:
         dx, dw, db = _grad_op(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap, inv_temp,
                               need_dx, need_dw, need_db, perm, tiles, tau, ws, At, gate_skip)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 14
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 15
 
 
 torch.library.register_autograd("logitless::linear_head_stats", _stats_backward, setup_context=_stats_setup_context)
@@ -228,9 +229,11 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     # backward's memory).
     want_stash = (torch.is_grad_enabled() and weight.requires_grad and not want_tiles and perm is None
                   and not torch.compiler.is_compiling())
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     out = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap), float(inv_temp),
                     bool(want_smooth), bool(want_entropy), perm, want_tiles, tau, workspace_bytes, want_stash,
-                    x.requires_grad, bool(want_lse), skip.in_backward)
+                    x.requires_grad, bool(want_lse), skip.in_backward,
+                    _has_rest(target, perm, want_entropy, grads))
     m, logs, zt, sw, ent = out[:5]
     return Stats(m, logs, zt if target is not None else None, sw if want_smooth else None,
                  ent if want_entropy else None, out[9] if want_lse else None)
