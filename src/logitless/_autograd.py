@@ -25,6 +25,11 @@ class _NotDifferentiable(torch.autograd.Function):
         raise RuntimeError(NOT_DIFFERENTIABLE)
 
 
+def grads_wanted(*tensors) -> bool:
+    """Whether a backward may follow this call: grad mode on and one of `tensors` (None allowed) requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def first_order_only(backward):
     """For an autograd.Function's backward, in place of torch's once_differentiable: the backward runs without a
     graph, and with create_graph=True its results come out attached to a node that raises NOT_DIFFERENTIABLE when

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from . import loss_math, shards, torch_backend
+from ._autograd import grads_wanted
 from ._dispatch import KERNEL_DTYPES, check_kernel_dtype, resolve_backend
 from .loss_math import Stats
 from .torch_backend import cross_entropy as torch_cross_entropy
@@ -215,7 +216,7 @@ def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_
         from . import triton_backend, triton_two_heads
 
         tau = 0.0
-        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, ws, bs))
+        grads = grads_wanted(xs, ws, bs)
         if grads and skip_threshold == "auto":
             tau = -triton_backend.AUTO_SKIP_UNIT.get(xs.dtype, 0.0)
         elif grads and skip_threshold is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import skip_gate, vocab
-from ._autograd import first_order_only, graph_kept, no_double_backward, no_setup, scale_forward_grads
+from ._autograd import first_order_only, grads_wanted, graph_kept, no_double_backward, no_setup, scale_forward_grads
 from ._dispatch import is_compiling
 from .kernels import current_tuning, new_buffer
 from .kernels.cross_entropy import scale_rows_
@@ -43,7 +43,7 @@ _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _has_rest(target, perm, want_entropy, grads=True) -> bool:
+def _has_rest(target, perm, want_entropy, grads) -> bool:
     """Whether the forward sums rest = sum_{j != t} exp(z_j - m) for the backward's 1 - p_t: with the entropy and a
     target (not with a vocabulary order, whose kernels would find the target's column by a compare in every tile),
     when a backward may follow (grads: a gradient is wanted; a no-grad pass, an RL reference or old-policy pass,
@@ -229,7 +229,7 @@ def stats(x, weight, bias, target, class_weight, softcap, inv_temp, want_smooth,
     # backward's memory).
     want_stash = (torch.is_grad_enabled() and weight.requires_grad and not want_tiles and perm is None
                   and not torch.compiler.is_compiling())
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    grads = grads_wanted(x, weight, bias)
     out = _stats_op(x, weight, bias, target, cw, None if softcap is None else float(softcap), float(inv_temp),
                     bool(want_smooth), bool(want_entropy), perm, want_tiles, tau, workspace_bytes, want_stash,
                     x.requires_grad, bool(want_lse), skip.in_backward,
@@ -254,7 +254,7 @@ def resolve_skip(skip, x, weight, bias, dense_row_chunks: bool = False):
     dense = type(skip)(None, skip.vocab_order, skip.bounded, True, False)
     if skip.threshold is None or (not isinstance(skip.threshold, str) and float(skip.threshold) == 0.0):
         return dense
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    grads = grads_wanted(x, weight, bias)
     if not (grads and skip.bounded and x.shape[0] > 0 and weight.shape[0] > 0
             and (skip.threshold != "auto" or x.dtype in AUTO_SKIP_UNIT)):
         return dense
