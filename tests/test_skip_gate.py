@@ -222,3 +222,20 @@ def test_a_fresh_cast_of_the_weight_is_the_same_head():
     assert skip_gate.decide(first, 0.3) is False  # the first call of a head runs dense
     assert skip_gate.decide(second, 0.3) is True  # the second probes
     assert skip_gate.state(w, torch.bfloat16) == "dense" and skip_gate.state(w) is None
+
+
+def test_small_heads_need_a_larger_share_to_skip(tune):
+    # The break-even share by call: the row-chunk plan's, then a small head's (one product under skip_small_flop,
+    # where the skipping step's fixed costs weigh most), then the column plan's; 0 keeps "skip wherever possible".
+    from logitless.triton_backend import _min_share
+
+    def share(n, d, v, row_chunks=False):
+        return _min_share(torch.empty(n, d, device="meta"), torch.empty(v, d, device="meta"), row_chunks)
+
+    assert share(8192, 768, 50257) == 0.5 and share(16384, 768, 50257) == 0.5  # 0.63 and 1.3 TFLOP a product
+    assert share(8192, 640, 262144) == 0.35 and share(16384, 1024, 151936) == 0.35  # 2.7 and 5.1 TFLOP
+    assert share(8192, 640, 262144, row_chunks=True) == 0.5
+    tune(skip_small_flop=1e12)
+    assert share(16384, 768, 50257) == 0.35
+    tune(skip_min_share=0.0)
+    assert share(8, 8, 64) == 0.0

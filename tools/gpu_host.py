@@ -12,7 +12,7 @@ and its launcher (tensor-descriptor packing and the driver call) timed per kerne
 tensor descriptors, and the rest (our planner, PyTorch ops, autograd).
 
     PYTHONPATH=src python3 tools/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
-        [--breakdown]
+        [--breakdown] [--data uniform|lm] [--skips auto,none] [--entropy]
 """
 
 from __future__ import annotations
@@ -48,22 +48,26 @@ def _clock_hz() -> float:
     return 100_000_000 / (e0.elapsed_time(e1) * 1e-3)
 
 
-def calls(N, D, V):
-    head = data.make_head("uniform", N, D, V, device="cuda")  # bf16
+def calls(N, D, V, kind="uniform", skips=("auto",), entropy=False):
+    head = data.make_head(kind, N, D, V, device="cuda")  # bf16
     x = head.input.detach().requires_grad_(True)
     w = head.weight.detach().requires_grad_(True)
     t = head.target.clone()
     t[::10] = -100  # every tenth token ignored
 
-    def lce():
-        x.grad = w.grad = None
-        logitless.linear_cross_entropy(x, w, t).backward()
+    def lce(skip):
+        def call():
+            x.grad = w.grad = None
+            logitless.linear_cross_entropy(x, w, t, skip_threshold=skip).backward()
+        return call
 
     def logp():
         with torch.no_grad():
-            logitless.linear_log_probs(x, w, t)
+            logitless.linear_log_probs(x, w, t, return_entropy=entropy)
 
-    return {"lce fwd+bwd": lce, "log-probs no-grad": logp}
+    out = {f"lce fwd+bwd, skip {s}": lce(None if s == "none" else s) for s in skips}
+    out["log-probs no-grad" + (", entropy" if entropy else "")] = logp
+    return out
 
 
 def measure(fn, reps):
@@ -121,11 +125,18 @@ def breakdown(fn, calls=2):
                 counts[key] = counts.get(key, 0) + 1
         return wrapper
 
+    import sys
+
     import logitless.kernels.linear_head as lh
 
-    saved_lh = (lh.backward, lh.forward_stats)
-    lh.backward = timed(lambda a: "linear_head.backward (all of it)", saved_lh[0])
-    lh.forward_stats = timed(lambda a: "linear_head.forward_stats (all of it)", saved_lh[1])
+    # Wrapped wherever a module of the package holds them (the backends import them by name).
+    entries = {lh.backward: timed(lambda a: "linear_head.backward (all of it)", lh.backward),
+               lh.forward_stats: timed(lambda a: "linear_head.forward_stats (all of it)", lh.forward_stats)}
+    swapped = [(mod, name, val) for mod in list(sys.modules.values())
+               if getattr(mod, "__name__", "").startswith("logitless")
+               for name, val in list(vars(mod).items()) if callable(val) and val in entries]
+    for mod, name, val in swapped:
+        setattr(mod, name, entries[val])
     saved = (JITFunction.run, CudaLauncher.__call__, TensorDescriptor.__dict__["from_tensor"])
     JITFunction.run = timed(lambda a: f"jit {a[0].fn.__name__}", saved[0])
     CudaLauncher.__call__ = timed(lambda a: "launcher (inside jit)", saved[1])
@@ -143,7 +154,8 @@ def breakdown(fn, calls=2):
         torch.cuda.synchronize()
     finally:
         JITFunction.run, CudaLauncher.__call__ = saved[0], saved[1]
-        lh.backward, lh.forward_stats = saved_lh
+        for mod, name, val in swapped:
+            setattr(mod, name, val)
         TensorDescriptor.from_tensor = saved[2]
     jit = sum(v for k, v in spent.items() if k.startswith("jit "))
     inner = sum(v for k, v in spent.items() if k.startswith("linear_head."))
@@ -164,21 +176,27 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--data", default="uniform", help="bench data kind of the head (uniform, lm)")
+    ap.add_argument("--skips", default="auto", help="skip_threshold values of the fwd+bwd, comma-separated "
+                    "(auto, none, or a float)")
+    ap.add_argument("--entropy", action="store_true", help="the no-grad log-probs also return the entropy")
     args = ap.parse_args()
+    skips = tuple(s if s in ("auto", "none") else float(s) for s in args.skips.split(","))
+    variants = functools.partial(calls, kind=args.data, skips=skips, entropy=args.entropy)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | call | gpu ms | free ms | host ms | launches |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for spec in args.shapes.split(";"):
         N, D, V = (int(s) for s in spec.split(","))
-        for name, fn in calls(N, D, V).items():
+        for name, fn in variants(N, D, V).items():
             gpu, free, host, launches = measure(fn, args.reps)
             print(f"| {N}, {D}, {V} | {name} | {gpu:.3f} | {free:.3f} | {host:.3f} | {launches} |", flush=True)
         if args.breakdown:
-            for name, fn in calls(N, D, V).items():
+            for name, fn in variants(N, D, V).items():
                 print(f"\n## host time by place, {N}, {D}, {V}, {name}\n")
                 breakdown(fn)
         if args.cprofile:
-            for name, fn in calls(N, D, V).items():
+            for name, fn in variants(N, D, V).items():
                 fn()
                 torch.cuda.synchronize()
                 _busy(200.0)

@@ -115,7 +115,7 @@ def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softca
     bias = None if bias is None else bias.contiguous()  # as in _stats_op
     extra = {} if stash is None else {"stash": stash}
     if (gate_skip and tile_lse is not None and perm is None
-            and not skip_gate.decide(weight, current_tuning().skip_min_share)):
+            and not skip_gate.decide(weight, _min_share(x, weight, False))):
         tile_lse = None  # the dense plans (the forward recorded the tiles for either answer)
     if skip_threshold < 0:  # "auto": the plan's skipped share tells skip_gate whether skipping pays for this head
         extra["on_plan"] = lambda plan: skip_gate.observe(weight, plan.hot)
@@ -265,10 +265,21 @@ def resolve_skip(skip, x, weight, bias, dense_row_chunks: bool = False):
         return done
     if is_compiling():
         return type(skip)(skip.threshold, skip.vocab_order, skip.bounded, True, True)
-    tune = current_tuning()
-    if skip_gate.decide(weight, tune.skip_min_share_row_chunks if dense_row_chunks else tune.skip_min_share):
+    if skip_gate.decide(weight, _min_share(x, weight, dense_row_chunks)):
         return done
     return dense
+
+
+def _min_share(x, weight, dense_row_chunks: bool) -> float:
+    """The skipped share from which skipping pays for this call (kernels.Tuning): against the row-chunk plan, for a
+    small head (one product under skip_small_flop), or against the column plan."""
+    tune = current_tuning()
+    if dense_row_chunks:
+        return tune.skip_min_share_row_chunks
+    base = tune.skip_min_share
+    if base > 0 and 2.0 * x.shape[0] * x.shape[-1] * weight.shape[0] < tune.skip_small_flop:
+        return max(base, tune.skip_min_share_small)
+    return base  # 0: skip wherever a plan is possible (tests, A/B runs)
 
 
 def _skip_plan(x, w, target, skip, ignore_index, workspace_bytes):

@@ -51,6 +51,13 @@ class Tuning:
     # The forward writes the stash through a tensor descriptor (the copy engine) where its operands use them and
     # the stash's rows are 16-byte aligned (N % 8 == 0); else with pointer stores.
     stash_tma: bool = True
+    # Whether the forward's kernels may contract a float32 multiply and add into one fused multiply-add. Off, every
+    # operation rounds as written, so a row's values depend on the source alone and not on which optional outputs a
+    # launch computes: with contraction on, summing the entropy backward's target mass (only when a gradient is
+    # wanted) moved the entropy by an ulp on a GPU, and a pass without gradients (an RL reference or old-policy
+    # pass) must give bit for bit the values of the training pass. Off costs nothing measurable
+    # (docs/design/forward.md, "Grad-mode invariance").
+    fwd_fp_fusion: bool = False
     # Below this many features, a half-precision backward runs on float32 copies of x and W: there the products
     # cost next to nothing beside the dz pass, and dL/dz rounded to bf16 / fp16 before them is the whole error,
     # which a sum over a few nearly cancelling terms amplifies (D = 1 and 3: 2-4 x PyTorch's own error, found by
@@ -104,6 +111,11 @@ class Tuning:
     # possible, from a head's first call (tests, A/B runs).
     skip_min_share: float = 0.35
     skip_min_share_row_chunks: float = 0.5
+    # ... and for a head whose one product (2 N D V FLOP) is under skip_small_flop: there the skipping step's fixed
+    # costs (its plan, the record, its launches, ~1 ms) are a third of the dense backward or more, and skipping
+    # lost at every share measured (29-36% of the pairs, at (8192 and 16384, 768, 50257)).
+    skip_min_share_small: float = 0.5
+    skip_small_flop: float = 2e12
     # ... a head found dense probes again after this many calls, the interval doubling after each dense finding up
     # to skip_probe_max.
     skip_probe_every: int = 8

@@ -64,6 +64,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         stash_tma = current_tuning().stash_tma and tma and tma_ok(zs)
         if stash_tma:
             zs = configs.descriptor(zs, [cfg.block_v, cfg.block_n])
+    fusion = current_tuning().fwd_fp_fusion  # off: values independent of the optional outputs (Tuning)
     _fwd_kernel[(n_blocks * n_splits,)](
         xo, wo, b, target, class_w, perm,
         part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo, part[5],
@@ -76,7 +77,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         STASH_TMA=stash_tma, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
         EVEN_K=D % cfg.block_k == 0, **dot_flags(x), USE_TMA=tma, EVEN_V=V % cfg.block_v == 0, HAS_REST=has_rest,
         HALF_TANH=x.dtype != torch.float32, CHUNK=cfg.chunk_tiles, num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_stages,
+        num_stages=cfg.fwd_stages, enable_fp_fusion=fusion,
     )
     block = 256 if x.device.type == "cuda" else 32
     _combine_kernel[(cdiv(N, block),)](
@@ -86,7 +87,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         N, n_chunks,
         HAS_TARGET=has_target, HAS_SMOOTH=bool(want_smooth), HAS_ENTROPY=bool(want_entropy), HAS_REST=has_rest,
         BLOCK=block,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=fusion,
     )
     return tuple(outs)
 
