@@ -254,19 +254,22 @@ def _sleepy_step(times):
     return Step(fwd, None), calls
 
 
-@pytest.mark.parametrize("times, raises, runs", [
-    ([0.25, 0.0], False, 2),  # the first run compiles: slow but under 10 x the limit; the second is fast
-    ([0.25, 0.25], True, 2),  # slow every time: too slow after the second run
-    ([1.5], True, 1),  # the first run alone is over 10 x the limit
-    ([0.0], False, 1),  # fast: one warm-up run, as asked
+@pytest.mark.parametrize("times, warmup, raises, runs", [
+    ([0.25, 0.0], 1, False, 2),  # the first run compiles: slow but under 10 x the limit; the second is fast
+    ([0.0, 0.25, 0.0], 2, False, 3),  # the second compiles (the default's probe of skipping): a third follows
+    ([0.25, 0.25, 0.25], 1, True, 3),  # slow every time: too slow at the third run
+    ([0.0, 0.0, 0.25], 3, True, 3),  # slow after the compiling runs
+    ([1.5], 1, True, 1),  # the first run alone is over 10 x the limit
+    ([0.0, 1.5], 2, True, 2),  # so is the second
+    ([0.0], 1, False, 1),  # fast: one warm-up run, as asked
 ])
-def test_warm_up_gives_the_first_run_a_compile_allowance(times, raises, runs):
+def test_warm_up_gives_the_first_runs_a_compile_allowance(times, warmup, raises, runs):
     step, calls = _sleepy_step(times)
     if raises:
         with pytest.raises(measure.TooSlow):
-            measure.warm_up(step, lambda: None, torch.device("cpu"), 1, 0.1)
+            measure.warm_up(step, lambda: None, torch.device("cpu"), warmup, 0.1)
     else:
-        assert measure.warm_up(step, lambda: None, torch.device("cpu"), 1, 0.1) < 0.1
+        assert measure.warm_up(step, lambda: None, torch.device("cpu"), warmup, 0.1) < 0.1
     assert len(calls) == runs
 
 
