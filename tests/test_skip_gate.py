@@ -239,3 +239,26 @@ def test_small_heads_need_a_larger_share_to_skip(tune):
     assert share(16384, 768, 50257) == 0.35
     tune(skip_min_share=0.0)
     assert share(8, 8, 64) == 0.0
+
+
+def test_hot_map_tool_counts_a_plan():
+    # tools/cpu_hot_map.py's count: a dense map runs at the dense rate; one token block holding every hot tile of a
+    # chunk is the launch's makespan, which dealing its dx tile out to 4 programs shortens.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "cpu_hot_map.py"
+    spec = importlib.util.spec_from_file_location("cpu_hot_map", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    full = torch.ones(64, 128, dtype=torch.uint8)
+    dense = tool.count(full, 640, 132, 12.0, 5.0, False)
+    assert dense["steps"] == dense["dense_steps"] and abs(dense["rate"] - 1.0) < 1e-9
+    one = torch.zeros(64, 128, dtype=torch.uint8)
+    one[63] = 1
+    one[:, 0] = 1
+    slow = tool.count(one, 640, 132, 12.0, 5.0, False)
+    dealt = tool.count(one, 640, 132, 12.0, 5.0, False, dx_split=4)
+    by_makespan = tool.count(one, 640, 132, 12.0, 5.0, False, dx_split=4, deal="makespan")
+    assert slow["rate"] < 0.5 and dealt["time"] < 0.5 * slow["time"] and by_makespan["time"] == dealt["time"]
+    assert tool.makespan([3.0, 3.0, 2.0, 2.0, 2.0], 2) == 7.0  # longest first (the best split is 6)

@@ -231,18 +231,34 @@ def test_skip_vocab_stored_by_mass(tune, small_tiles):
     torch.testing.assert_close(order.unsort(dw).float(), ref[1].float(), rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("split,deal_pct", [(4, 100.0), (3, 0.0), (2, 100.0)])
-def test_skip_dx_split(tune, small_tiles, split, deal_pct):
+@pytest.mark.parametrize("split,deal_pct,deal", [(4, 100.0, "share"), (3, 0.0, "share"), (2, 100.0, "share"),
+                                                 (4, 0.0, "makespan")])
+def test_skip_dx_split(tune, small_tiles, split, deal_pct, deal):
     # The skipping backward may deal each dx tile's reduction steps out to several programs (float32 partials added
-    # after the last chunk); dealt out (deal_pct 100) or not (0), the gradients hold the error rule, and equal the
-    # undealt ones to float32 rounding.
+    # after the last chunk); dealt out (deal_pct 100) or not (0), or chunk by chunk by their makespan, the gradients
+    # hold the error rule, and equal the undealt ones to float32 rounding.
     x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 200, 201]], n=96)
     tune(skip_dx_split=1)
     _, ref = skip_check(x, w, None, t, tune, skip_threshold=TAU)
-    tune(skip_dx_split=split, skip_dx_deal_pct=deal_pct)
+    tune(skip_dx_split=split, skip_dx_deal_pct=deal_pct, skip_dx_deal=deal)
     _, got = skip_check(x, w, None, t, tune, skip_threshold=TAU)
     torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=0, atol=0)  # dW: the same programs
+
+
+def test_deal_by_makespan():
+    # A chunk deals its dx tiles' steps out where its longest dx tile is longer than the even share of all its
+    # steps: one token block holding every hot tile among many cold ones, not hot pairs spread evenly.
+    from logitless.kernels.linear_head import configs, plans
+
+    cfg = configs.hopper_config()
+    one = torch.zeros(64, 129, dtype=torch.int32)
+    one[63, 1:] = torch.arange(1, 129, dtype=torch.int32)  # block 63: all 128 tiles hot, the others none
+    spread = torch.arange(129, dtype=torch.int32).repeat(64, 1) // 4  # every block: a quarter of the tiles
+    assert plans.deal_by_makespan(one, 0, 128, 640, cfg, 132).item() == 1
+    assert plans.deal_by_makespan(spread, 0, 128, 640, cfg, 132).item() == 0
+    # longest 4 x 128 steps against (4 + 4 per hot pair and column tile) x 3 x 128 pairs / sms: dealt from 7 on
+    assert plans.deal_by_makespan(one, 0, 128, 640, cfg, 5).item() == 0
 
 
 def test_skip_auto_budget(tune, small_tiles):

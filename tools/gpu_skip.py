@@ -41,7 +41,13 @@ def _time(fn, reps):
 
 
 def _num(text: str):
-    return int(text) if text.lstrip("-").isdigit() else float(text)
+    """A --tune value: an int, a float, or else the text itself (a named choice, e.g. skip_dx_deal=makespan)."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _group(name: str) -> str:

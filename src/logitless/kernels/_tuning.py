@@ -104,6 +104,10 @@ class Tuning:
     skip_dx_split: int = 4
     # ... where at most this percentage of the plan's pairs is hot (decided on the device, no host sync).
     skip_dx_deal_pct: float = 15.0
+    # ... or, with "makespan", per chunk where its longest dx tile takes longer than the even share of the chunk's
+    # steps (plans.deal_by_makespan): a count of the real head's plans predicts it at least as fast as either fixed
+    # choice in mass and id order (tools/cpu_hot_map.py, docs/design/skipping.md); not yet timed on a GPU.
+    skip_dx_deal: str = "share"
     # skip_threshold="auto" (the default) skips for a head while its plans skip at least this share of the
     # (token block, tile) pairs, and runs the dense plans otherwise (skip_gate). The break-even share is lower where
     # the dense alternative is the column plan than where it is the row-chunk plan (three cuBLAS products, bf16 at

@@ -429,14 +429,19 @@ class _Backward:
                      configs.descriptor(wv, [kg, cfg.dx_d]))
         dx_first = bool(skip and current_tuning().skip_dx_first)
         split = self.dx_split if (dx_first and do_dw and do_dx and dx_acc.is_contiguous()) else 1
+        by_makespan = current_tuning().skip_dx_deal == "makespan"
         if split > 1 and self.dx_part is None:
             self.dx_part = torch.zeros((split - 1, N, D), **self.f32)
-            # Dealt out only where the plan skips most pairs: there the few rows that need every tile set the
-            # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves
-            # (docs/design/skipping.md, "What was measured").
-            hot = self.sp.hot
-            self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
-                            ).to(torch.int32)
+            if not by_makespan:
+                # Dealt out only where the plan skips most pairs: there the few rows that need every tile set the
+                # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves
+                # (docs/design/skipping.md, "What was measured").
+                hot = self.sp.hot
+                self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
+                                ).to(torch.int32)
+        if split > 1 and by_makespan:
+            self.dx_deal = plans.deal_by_makespan(self.sp.pre_n, v0 // cfg.block_v, cdiv(v1, cfg.block_v), D, cfg,
+                                                  self.sms)
         if self.rec is not None:
             self.rec.products.append(ProductsCall(v0, v1, do_dw, do_dx, False, products.Fp32Reductions.active(), rows,
                                                   dz.stride(), k_per_split, splits, storage_address(part)))
