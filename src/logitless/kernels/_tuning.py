@@ -116,8 +116,8 @@ class Tuning:
     skip_min_share: float = 0.35
     skip_min_share_row_chunks: float = 0.5
     # ... and for a head whose one product (2 N D V FLOP) is under skip_small_flop: there the skipping step's fixed
-    # costs (its plan, the record, its launches, ~1 ms) are a third of the dense backward or more, and skipping
-    # lost at every share measured (29-36% of the pairs, at (8192 and 16384, 768, 50257)).
+    # costs (its plan, the record, its launches) weigh a third of the dense backward or more, and skipping lost at
+    # every share measured (docs/design/skipping.md, "Small heads").
     skip_min_share_small: float = 0.5
     skip_small_flop: float = 2e12
     # ... a head found dense probes again after this many calls, the interval doubling after each dense finding up
