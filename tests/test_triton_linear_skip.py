@@ -246,6 +246,13 @@ def test_skip_dx_split(tune, small_tiles, split, deal_pct, deal):
     torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=0, atol=0)  # dW: the same programs
 
 
+def test_skip_dx_deal_names_its_choices():
+    from logitless import kernels
+
+    with pytest.raises(ValueError, match="skip_dx_deal"), kernels.tuning(skip_dx_deal="makespn"):
+        pass
+
+
 def test_deal_by_makespan():
     # A chunk deals its dx tiles' steps out where its longest dx tile is longer than the even share of all its
     # steps: one token block holding every hot tile among many cold ones, not hot pairs spread evenly.

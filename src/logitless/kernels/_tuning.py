@@ -160,6 +160,10 @@ class Tuning:
     ce_stats_tiles: int = 8
     ce_stats_stages: int = 3
 
+    def __post_init__(self):
+        if self.skip_dx_deal not in ("share", "makespan"):
+            raise ValueError(f"Tuning.skip_dx_deal must be 'share' or 'makespan', not {self.skip_dx_deal!r}")
+
 
 DEFAULT = Tuning()
 _current = DEFAULT
