@@ -262,10 +262,15 @@ def test_deal_by_makespan():
     one = torch.zeros(64, 129, dtype=torch.int32)
     one[63, 1:] = torch.arange(1, 129, dtype=torch.int32)  # block 63: all 128 tiles hot, the others none
     spread = torch.arange(129, dtype=torch.int32).repeat(64, 1) // 4  # every block: a quarter of the tiles
-    assert plans.deal_by_makespan(one, 0, 128, 640, cfg, 132).item() == 1
-    assert plans.deal_by_makespan(spread, 0, 128, 640, cfg, 132).item() == 0
+    assert plans.deal_by_makespan(one, [0, 128], 640, cfg, 132).tolist() == [1]
+    assert plans.deal_by_makespan(spread, [0, 128], 640, cfg, 132).tolist() == [0]
     # longest 4 x 128 steps against (4 + 4 per hot pair and column tile) x 3 x 128 pairs / sms: dealt from 7 on
-    assert plans.deal_by_makespan(one, 0, 128, 640, cfg, 5).item() == 0
+    assert plans.deal_by_makespan(one, [0, 128], 640, cfg, 5).tolist() == [0]
+    # chunk by chunk: block 63 alone in the second half, everything spread in the first
+    both = spread.clone()
+    both[:, 65:] = both[:, 64:65]
+    both[63, 65:] += torch.arange(1, 65, dtype=torch.int32)
+    assert plans.deal_by_makespan(both, [0, 64, 128], 640, cfg, 132).tolist() == [0, 1]
 
 
 def test_skip_auto_budget(tune, small_tiles):

@@ -247,6 +247,7 @@ class _Backward:
         self.x_desc = None  # the gradient products' descriptor of x, made once
         self.dx_split = dx_split  # programs per dx tile in skipping launches of both products (the budget's choice)
         self.dx_deal = None  # (1,) int32 on the device: whether those launches deal the steps out
+        self.deal_by_chunk = None  # with Tuning.skip_dx_deal "makespan": that flag per first-pass chunk (by v0)
         self.dx_part = None  # their float32 partials, (dx_split - 1, N, D), made at the first such launch and added
         # to the dx accumulator after the first pass
         self.rec = None  # a BackwardRecord to fill (Tuning.debug_backwards), or None
@@ -280,6 +281,11 @@ class _Backward:
         chunks = plans._first_pass(N, V, D, cfg, plan, self.aligned, need_dz and not self.has_perm, self.lay)
         if self.rec is not None:
             self.rec.first_pass = list(chunks)
+        if self.skip and self.dx_split > 1 and current_tuning().skip_dx_deal == "makespan":
+            # Every chunk's choice at once (one small computation, not one per chunk), read by grad_pass.
+            bounds = [v0 // cfg.block_v for v0, *_ in chunks] + [cdiv(chunks[-1][1], cfg.block_v)]
+            flags = plans.deal_by_makespan(self.sp.pre_n, bounds, D, cfg, self.sms)
+            self.deal_by_chunk = {v0: flags[i:i + 1] for i, (v0, *_) in enumerate(chunks)}
         for v0, v1, dz_at, stashed in chunks:
             dz = None
             if stashed:  # dz replaces the chunk's stashed logits: (N, v1 - v0), column-major
@@ -429,19 +435,17 @@ class _Backward:
                      configs.descriptor(wv, [kg, cfg.dx_d]))
         dx_first = bool(skip and current_tuning().skip_dx_first)
         split = self.dx_split if (dx_first and do_dw and do_dx and dx_acc.is_contiguous()) else 1
-        by_makespan = current_tuning().skip_dx_deal == "makespan"
         if split > 1 and self.dx_part is None:
             self.dx_part = torch.zeros((split - 1, N, D), **self.f32)
-            if not by_makespan:
+            if self.deal_by_chunk is None:
                 # Dealt out only where the plan skips most pairs: there the few rows that need every tile set the
                 # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves
                 # (docs/design/skipping.md, "What was measured").
                 hot = self.sp.hot
                 self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
                                 ).to(torch.int32)
-        if split > 1 and by_makespan:
-            self.dx_deal = plans.deal_by_makespan(self.sp.pre_n, v0 // cfg.block_v, cdiv(v1, cfg.block_v), D, cfg,
-                                                  self.sms)
+        if split > 1 and self.deal_by_chunk is not None:
+            self.dx_deal = self.deal_by_chunk[v0]
         if self.rec is not None:
             self.rec.products.append(ProductsCall(v0, v1, do_dw, do_dx, False, products.Fp32Reductions.active(), rows,
                                                   dz.stride(), k_per_split, splits, storage_address(part)))

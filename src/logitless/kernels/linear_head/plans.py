@@ -304,16 +304,17 @@ def _balanced_split(N: int, n_out: int, n_dx: int, dx_steps: int, sms: int, unit
     return best_k
 
 
-def deal_by_makespan(pre_n: torch.Tensor, t0: int, t1: int, D: int, cfg: Config, sms: int) -> torch.Tensor:
-    """(1,) int32 on the device (no sync): whether a skipping chunk of tiles [t0, t1) deals each dx tile's steps
-    out (Tuning.skip_dx_deal "makespan"): where its longest dx tile (the token block with the most hot tiles) takes
-    longer than the even share of the chunk's work on `sms` multiprocessors, the dW tiles' and dx tiles' steps.
-    pre_n: the plan's (n_blocks, n_vtiles + 1) counts of hot tiles before each tile."""
-    hb = pre_n[:, t1] - pre_n[:, t0]  # hot tiles of each token block in the chunk
+def deal_by_makespan(pre_n: torch.Tensor, bounds: list[int], D: int, cfg: Config, sms: int) -> torch.Tensor:
+    """(n_chunks,) int32 on the device (no sync): whether each skipping chunk of tiles [bounds[c], bounds[c + 1])
+    deals its dx tiles' steps out (Tuning.skip_dx_deal "makespan"): where its longest dx tile (the token block with
+    the most hot tiles) takes longer than the even share of the chunk's work on `sms` multiprocessors, the dW
+    tiles' and dx tiles' steps. pre_n: the plan's (n_blocks, n_vtiles + 1) counts of hot tiles before each tile."""
+    at = torch.tensor(bounds, device=pre_n.device)
+    hb = (pre_n[:, at[1:]] - pre_n[:, at[:-1]]).to(torch.int64)  # hot tiles of each token block in each chunk
     dx_steps = (cfg.block_v // cfg.block_kg) * cdiv(D, cfg.dx_d)  # a hot pair's dx steps, all column tiles
     dw_steps = (cfg.block_v // cfg.block_m) * (cfg.block_n // cfg.block_kg) * cdiv(D, cfg.block_d)  # and dW's
-    longest = hb.max().to(torch.int64) * (cfg.block_v // cfg.block_kg)
-    return (longest * sms > hb.sum(dtype=torch.int64) * (dx_steps + dw_steps)).to(torch.int32).reshape(1)
+    longest = hb.amax(0) * (cfg.block_v // cfg.block_kg)
+    return (longest * sms > hb.sum(0) * (dx_steps + dw_steps)).to(torch.int32)
 
 
 def _round_chunk(cols: int, block: int, aligned: bool = False) -> int:
