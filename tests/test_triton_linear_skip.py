@@ -414,3 +414,53 @@ def test_skip_wide_sets_the_first_pass_chunks(tune, small_tiles, skip_wide):
     widths = [v1 - v0 for v0, v1, _, _ in rec.first_pass]
     wide = 320 if skip_wide is None else skip_wide
     assert max(widths) == wide and all(wd % 64 == 0 for wd in widths[:-1]), widths
+
+
+def _peaked_record(n, t, seed):
+    # A float16 tile record whose rows hold their mass in a few tiles, as a trained head's do, and the row
+    # statistics that go with it.
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(n, t, generator=g) * 2 - 12
+    u.scatter_(1, torch.randint(0, t, (n, 4), generator=g), torch.randn(n, 4, generator=g) + 2)
+    u = u.half()
+    lse = torch.logsumexp(u.float(), 1)
+    m = lse - torch.rand(n, generator=g) * 0.5
+    return g, u, m, lse - m
+
+
+@pytest.mark.parametrize("n,t,block_n,entropy,perm,threshold,targets,group", [
+    (300, 40, 32, False, False, -0.25, True, True),
+    (257, 7, 32, False, False, -0.25, True, True),  # a partial block, tiles fewer than a sort's 16
+    (100, 1, 32, False, False, -0.25, True, True),  # one tile
+    (512, 130, 32, True, False, -0.25, True, True),  # the entropy's term; tiles past a power of two
+    (64, 33, 32, False, True, -0.25, True, True),  # a vocabulary order
+    (333, 90, 16, True, True, 1e-3, True, True),  # a fixed threshold
+    (200, 50, 32, False, False, -0.25, False, True),  # no target term (log-probs without one)
+    (200, 50, 32, False, False, -0.25, True, False),  # rows in their own order
+    (31, 20, 32, False, False, -4.0, True, True),  # one block, fewer rows than it holds
+])
+def test_plan_kernels_build_the_torch_plan(tune, n, t, block_n, entropy, perm, threshold, targets, group):
+    # The three launches of plan_kernels build the plan the PyTorch ops build, list for list: rows with and
+    # without coefficients, ignored targets, a NaN in the record, and a budget wide enough that many pairs are cold.
+    g, u, m, logs = _peaked_record(n, t, n + t)
+    u[n // 2, t // 2] = float("nan")
+    a = torch.rand(n, generator=g)
+    a[::7] = 0
+    b = torch.randn(n, generator=g) * 0.3 if entropy else None
+    v = t * 64 - 3
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::5] = -100
+    order = torch.randperm(v, generator=g).to(torch.int32) if perm else None
+    args = (u, m, logs, a, target if targets else None, order, v, threshold, block_n, 64, group)
+    want = lh.skip_plan(*args, B=b)
+    tune(debug_plans=[])
+    got = lh.skip_plan(*args, B=b, kernels=True)
+    for name in ("hot", "list_n", "pre_n", "list_v", "pre_v", "rows"):
+        w_, g_ = getattr(want, name), getattr(got, name)
+        assert (w_ is None) == (g_ is None), name
+        if w_ is not None:
+            assert torch.equal(w_.to(g_.dtype), g_), name
+    assert got.row_bound is not None and got.row_bound.shape == (n,)
+    if threshold == 1e-3 and not entropy:
+        assert bool((got.row_bound <= threshold * (1 + 2.0**-10)).all())
+    assert 0 < int(want.hot.sum()) < want.hot.numel() or t == 1 or n < block_n

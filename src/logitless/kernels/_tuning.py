@@ -91,6 +91,9 @@ class Tuning:
     # share their cold tiles: on Gemma 3 270M's head it triples the pairs a budget of 2^-12 can skip (docs/kernels.md).
     # False keeps the rows' own order (tests that place hot tiles by row).
     skip_group_rows: bool = True
+    # The skip plan built by three Triton launches (plan_kernels) instead of about a hundred PyTorch ops over (N, T)
+    # arrays: the same plan, at a fraction of the plan's time and of its host time (docs/design/skipping.md).
+    skip_plan_kernels: bool = True
     # Classes per first-pass chunk of a skipping backward, at least the dense plans' (Config.wide); None: the
     # configuration's Config.skip_wide. Wider chunks launch less often and take a larger dz scratch (N x chunk in
     # the input dtype): docs/design/skipping.md, "Where the skipping backward's memory goes".

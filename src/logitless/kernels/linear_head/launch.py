@@ -121,7 +121,8 @@ def backward(x, w, b, target, class_w, m, logs, A, B, C, E, *, softcap, inv_temp
     if tile_lse is not None and skip_threshold != 0 and E is None and plans.skip_supported(x) and N > 0:
         cfg = config_for(x)
         sp = plans.skip_plan(tile_lse, m, logs, A, target if C is not None else None, perm, V, skip_threshold,
-                             cfg.block_n, cfg.block_v, current_tuning().skip_group_rows, B=B)
+                             cfg.block_n, cfg.block_v, current_tuning().skip_group_rows, B=B,
+                             kernels=current_tuning().skip_plan_kernels)
         sink = current_tuning().debug_plans
         if sink is not None:
             sink.append(sp)

@@ -22,6 +22,7 @@ import torch
 from ...loss_math import default_workspace_bytes
 from .._common import cdiv, new_buffer
 from .._tuning import current_tuning
+from . import plan_kernels
 from .configs import Config, config_for
 from .forward_layout import _fwd_layout  # noqa: F401 - planned apart, read as plans._fwd_layout
 from .products import _torch_products
@@ -137,8 +138,8 @@ def skip_cost(r: torch.Tensor, A: torch.Tensor, B: torch.Tensor | None, block_v:
     return c
 
 
-def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True, B=None
-              ) -> SkipPlan:
+def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v, group_rows=True, B=None,
+              kernels=False) -> SkipPlan:
     """The cold pairs for the backward, on the device (no host sync).
 
     tile_lse (N, T) float16 holds each row's log-sum-exp over each tile, so row i's probability mass in tile t is
@@ -146,8 +147,14 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     (skip_cost: |A_i| r_it, plus a term with the entropy's coefficient B_i); each row may take T_i (row_budget) in
     all. Rows with A_i = B_i = 0 have nothing to lose; a tile holding a row's target is never skipped for its block
     (the one-hot term). cold_pairs picks the pairs from c_it / T_i. So each gradient row changes by at most T_i in
-    L1, and without B, every row loses at most T_i / |A_i| of its mass (docs/kernels.md)."""
+    L1, and without B, every row loses at most T_i / |A_i| of its mass (docs/kernels.md).
+
+    kernels: build the plan with the Triton launches of plan_kernels (the linear-head backward's choice,
+    Tuning.skip_plan_kernels) instead of PyTorch ops over (N, T) arrays; the same plan up to pairs at the float32
+    rounding of a budget's edge."""
     lse = m + logs
+    if kernels and plan_kernels.supported(tile_lse.shape[1]):
+        return _kernel_plan(tile_lse, lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows)
     # c_it / T_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
     # the float16 rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
@@ -158,17 +165,58 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     if current_tuning().debug_plans is None:
         del r
     if target is not None:
-        pos = target
-        if perm is not None:
-            pos = torch.argsort(perm)[target.clamp(0, V - 1)]
-        valid = (target >= 0) & (target < V)
-        tt = torch.where(valid, pos // block_v, 0)[:, None]
-        q.scatter_(1, tt, torch.where(valid[:, None], float("inf"), q.gather(1, tt)))
+        tt = _target_tiles(target, perm, V, block_v).long()[:, None]
+        valid = tt >= 0
+        tt = tt.clamp(min=0)
+        q.scatter_(1, tt, torch.where(valid, float("inf"), q.gather(1, tt)))
     q.masked_fill_((budget == 0)[:, None], 0.0)
     bound = None
     if current_tuning().debug_plans is not None:
         bound = torch.where((budget > 0)[:, None], r, 0.0)  # the skipped mass, 0 for rows without coefficients
     return cold_pairs(q, block_n, group_rows, bound)
+
+
+def _target_tiles(target, perm, V, block_v) -> torch.Tensor:
+    # (N,) int32: the vocabulary tile holding each row's target, -1 for targets out of [0, V) (ignored rows).
+    pos = target
+    if perm is not None:
+        pos = torch.argsort(perm)[target.clamp(0, V - 1)]
+    valid = (target >= 0) & (target < V)
+    return torch.where(valid, pos // block_v, -1).to(torch.int32)
+
+
+def _kernel_plan(tile_lse, lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows
+                 ) -> SkipPlan:
+    # skip_plan through plan_kernels: the per-row vectors here (O(N) ops), the (N, T) work in three launches.
+    N, T = tile_lse.shape
+    u = tile_lse if tile_lse.stride(1) == 1 else tile_lse.contiguous()
+    lse = lse.float().contiguous()
+    abs_a = A.float().abs().contiguous()
+    abs_b = None if B is None else B.float().abs().contiguous()
+    budget = row_budget(m, logs, threshold, A, B).contiguous()
+    tgt = (torch.full((N,), -1, dtype=torch.int32, device=u.device) if target is None
+           else _target_tiles(target, perm, V, block_v))
+    args = (u, lse, abs_a, abs_b, budget, tgt)
+    log_bv = math.log(block_v)
+    rows = None
+    if group_rows and cdiv(N, block_n) > 1:
+        count = plan_kernels.hot_counts(*args, _HOT_FRACTION, _WIDEN, log_bv)
+        rows = torch.sort(count, stable=True).indices
+    hot, list_n, pre_n, list_v, pre_v = plan_kernels.block_plan(*args, rows, block_n, 1.0 - 2.0**-16, _WIDEN, log_bv)
+    row_bound = None
+    if current_tuning().debug_plans is not None:
+        r = (u.float() + u.float().abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().clamp_(max=1.0)
+        row_bound = _row_bound(torch.where((budget > 0)[:, None], r, 0.0), hot == 0, rows, block_n)
+    return SkipPlan(hot, list_n, pre_n, list_v, pre_v, row_bound, rows)
+
+
+def _row_bound(bound: torch.Tensor, cold: torch.Tensor, rows: torch.Tensor | None, block_n: int) -> torch.Tensor:
+    # Each row's sum of `bound` (N, T) over its skipped pairs (cold: (blocks, T) bool), in input row order.
+    N = bound.shape[0]
+    blk = torch.arange(N, device=bound.device) // block_n
+    if rows is not None:
+        blk = torch.empty_like(blk).index_copy_(0, rows, blk)
+    return torch.where(cold[blk], bound, 0.0).sum(1, dtype=torch.float64).float()
 
 
 def cold_pairs(q: torch.Tensor, block_n: int, group_rows: bool = True, bound: torch.Tensor | None = None
@@ -198,13 +246,7 @@ def cold_pairs(q: torch.Tensor, block_n: int, group_rows: bool = True, bound: to
         run = torch.gather(qb, 2, order[:, None, :].expand(nb, block_n, T)).cumsum(2).amax(1)
         cold[lo // block_n: lo // block_n + nb].scatter_(1, order, run <= 1.0 - 2.0**-16)
     hot = ~cold
-    row_bound = None
-    if bound is not None:
-        # Each row's sum of `bound` over its skipped pairs, in input row order.
-        blk = torch.arange(N, device=dev) // block_n
-        if rows is not None:
-            blk = torch.empty_like(blk).index_copy_(0, rows, blk)
-        row_bound = torch.where(cold[blk], bound, 0.0).sum(1, dtype=torch.float64).float()
+    row_bound = None if bound is None else _row_bound(bound, cold, rows, block_n)
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
     return SkipPlan(
