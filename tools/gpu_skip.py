@@ -6,8 +6,9 @@
 For each data kind and skip_threshold (0: no skipping, "auto", or a float), in bfloat16 with the mean loss of
 linear_cross_entropy: fwd+bwd time (CUDA events, median of --reps after a warm-up), the fraction of (token block x
 tile) pairs the backward skipped, the peak memory above the inputs and the gradients, and the largest per-row bound
-on the skipped mass (from the plan), and one profiled fwd+bwd whose CUDA kernel time is summed by kernel name (the
-forward, the plan's PyTorch ops, the dz kernel, the gradient products, the rest). Each --tune (comma-separated
+on the skipped mass (from the plan, read from a call of its own), and one profiled fwd+bwd whose CUDA kernel time is
+summed by kernel name (the forward, the dz kernel, the gradient products, sorts and scans, the rest, whose largest
+kernels are listed by name and count). Each --tune (comma-separated
 field=value pairs of kernels.Tuning, integers or floats) is a variant run at every threshold; none: the defaults. A
 field `cfg.NAME` changes that field of the device's linear-head Config (e.g. `cfg.grad_stages=3`). Errors against
 float64 are the benchmark's job (`logitless bench`, whose provider logitless-triton-skip is skip_threshold="auto").
@@ -92,8 +93,12 @@ def main(argv=None) -> int:
                 from logitless.kernels import linear_head as lh
 
                 tune["linear_config"] = lh.config_for(x).replace(**cfg_fields)
-            with kernels.tuning(debug_plans=plans, **tune):
+            # The plan is read from one call of its own: with Tuning.debug_plans set, the plan also computes each
+            # row's bound (PyTorch ops over the (N, T) record) that the timed and profiled calls do not.
+            with kernels.tuning(**tune):
                 ms = _time(step, args.reps)
+                with kernels.tuning(debug_plans=plans):
+                    step()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -101,13 +106,15 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 # above the inputs and the two gradients (outputs, as the bench counts them)
                 peak = (torch.cuda.max_memory_allocated() - base - 2 * (N + V) * D) / 2**20
-                plans.clear()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
             totals = collections.Counter()
+            others = collections.Counter()
             for ev in prof.key_averages():
                 totals[_group(ev.key)] += ev.device_time_total / 1000.0
+                if _group(ev.key) == "other":
+                    others[f"{ev.key[:60]} x{ev.count}"] += ev.device_time_total / 1000.0
             skipped = bound = 0.0
             if plans:
                 skipped = 1.0 - plans[0].hot.float().mean().item()
@@ -115,7 +122,8 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
             print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  "
                   f"peak {peak:6.0f} MiB  skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n"
-                  f"    kernel ms: {parts}")
+                  f"    kernel ms: {parts}\n"
+                  f"    other: {', '.join(f'{k} {v:.3f}' for k, v in others.most_common(8))}")
     return 0
 
 
