@@ -351,7 +351,10 @@ def deal_by_makespan(pre_n: torch.Tensor, bounds: list[int], D: int, cfg: Config
     deals its dx tiles' steps out (Tuning.skip_dx_deal "makespan"): where its longest dx tile (the token block with
     the most hot tiles) takes longer than the even share of the chunk's work on `sms` multiprocessors, the dW
     tiles' and dx tiles' steps. pre_n: the plan's (n_blocks, n_vtiles + 1) counts of hot tiles before each tile."""
-    at = torch.tensor(bounds, device=pre_n.device)
+    at = torch.tensor(bounds)
+    if pre_n.is_cuda:
+        # From pinned memory, asynchronously: a pageable copy would wait for the forward's kernels (a host sync).
+        at = at.pin_memory().to(pre_n.device, non_blocking=True)
     hb = (pre_n[:, at[1:]] - pre_n[:, at[:-1]]).to(torch.int64)  # hot tiles of each token block in each chunk
     dx_steps = (cfg.block_v // cfg.block_kg) * cdiv(D, cfg.dx_d)  # a hot pair's dx steps, all column tiles
     dw_steps = (cfg.block_v // cfg.block_m) * (cfg.block_n // cfg.block_kg) * cdiv(D, cfg.block_d)  # and dW's
