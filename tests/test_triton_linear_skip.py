@@ -498,3 +498,34 @@ def test_gpu_plan_kernels_at_full_size(N, D, V):
     for name in ("list_n", "pre_n", "list_v", "pre_v"):
         if differ == 0:
             assert torch.equal(getattr(want, name), getattr(got, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [{}, {"skip_min_share": 0.0}, {"skip_min_share": 0.0, "skip_dx_deal": "makespan"},
+                                    {"skip_min_share": 0.0, "skip_plan_kernels": False}, {"row_chunks": True}])
+def test_gpu_no_host_sync(tune, tuning):
+    # The forward and backward never wait for the device: every call after the first few (compilation, the skip
+    # gate's first probe) runs under torch's sync detector set to raise.
+    tune(**tuning)
+    head = data.make_head("lm", 4096, 1024, 50304, device="cuda")
+    x, w = (p.detach().requires_grad_(True) for p in (head.input, head.weight))
+    t = head.target.clone()
+    t[::10] = -100
+
+    def step():
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton")
+        gx, gw = torch.autograd.grad(loss, (x, w))
+        lp, ent = logitless.linear_log_probs(x, w, t.clamp(min=0), backend="triton", return_entropy=True)
+        torch.autograd.grad((lp + ent).sum(), (x, w))
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    prior = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(prior)
+    torch.cuda.synchronize()
