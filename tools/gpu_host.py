@@ -48,8 +48,8 @@ def _clock_hz() -> float:
     return 100_000_000 / (e0.elapsed_time(e1) * 1e-3)
 
 
-def calls(N, D, V, kind="uniform", skips=("auto",), entropy=False):
-    head = data.make_head(kind, N, D, V, device="cuda")  # bf16
+def calls(N, D, V, kind="uniform", skips=("auto",), entropy=False, data_file=None):
+    head = data.make_head(kind, N, D, V, device="cuda", data_file=data_file)  # bf16
     x = head.input.detach().requires_grad_(True)
     w = head.weight.detach().requires_grad_(True)
     t = head.target.clone()
@@ -176,13 +176,15 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
-    ap.add_argument("--data", default="uniform", help="bench data kind of the head (uniform, lm)")
+    ap.add_argument("--data", default="uniform", help="bench data kind of the head (uniform, lm, real, real-sorted)")
     ap.add_argument("--skips", default="auto", help="skip_threshold values of the fwd+bwd, comma-separated "
                     "(auto, none, or a float)")
     ap.add_argument("--entropy", action="store_true", help="the no-grad log-probs also return the entropy")
+    ap.add_argument("--data-file", default=None, help="a prepared real head (--data real, real-sorted)")
     args = ap.parse_args()
     skips = tuple(s if s in ("auto", "none") else float(s) for s in args.skips.split(","))
-    variants = functools.partial(calls, kind=args.data, skips=skips, entropy=args.entropy)
+    variants = functools.partial(calls, kind=args.data, skips=skips, entropy=args.entropy,
+                                 data_file=args.data_file)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | call | gpu ms | free ms | host ms | launches |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
