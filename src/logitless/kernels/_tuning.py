@@ -92,7 +92,7 @@ class Tuning:
     # False keeps the rows' own order (tests that place hot tiles by row).
     skip_group_rows: bool = True
     # The skip plan built by three Triton launches (plan_kernels) instead of about a hundred PyTorch ops over (N, T)
-    # arrays: the same plan, at a fraction of the plan's time and of its host time (docs/design/skipping.md).
+    # arrays: the same plan in less kernel and host time (docs/design/skipping.md, "The plan in three launches").
     skip_plan_kernels: bool = True
     # Classes per first-pass chunk of a skipping backward, at least the dense plans' (Config.wide); None: the
     # configuration's Config.skip_wide. Wider chunks launch less often and take a larger dz scratch (N x chunk in
@@ -109,7 +109,7 @@ class Tuning:
     skip_dx_deal_pct: float = 15.0
     # ... or, with "makespan", per chunk where its longest dx tile takes longer than the even share of the chunk's
     # steps (plans.deal_by_makespan): a count of the real head's plans predicts it at least as fast as either fixed
-    # choice in mass and id order (tools/cpu_hot_map.py, docs/design/skipping.md); not yet timed on a GPU.
+    # choice; on a GPU the products gained a few percent and the step nothing (docs/design/skipping.md).
     skip_dx_deal: str = "share"
     # skip_threshold="auto" (the default) skips for a head while its plans skip at least this share of the
     # (token block, tile) pairs, and runs the dense plans otherwise (skip_gate). The break-even share is lower where

@@ -2,8 +2,8 @@
 
 plans.skip_plan computes, for each (row, tile) pair, its cost relative to the row's budget q_it, then per block of
 (grouped) rows the tiles it may skip, then the lists the gradient products walk. As PyTorch ops that is about a
-hundred launches over (N, T) float32 arrays, a millisecond a step on an H200 at (8192, 262144), most of it launch
-latency and passes over memory (docs/design/skipping.md, "The plan in three launches"). Here:
+hundred launches, many of them passes over (N, T) float32 arrays, each also a cost to the host that issues it
+(docs/design/skipping.md, "The plan in three launches"). Here:
 
 1. _hot_count_kernel: per row, how many tiles hold more than plans._HOT_FRACTION of its budget (the key rows are
    grouped by; PyTorch then sorts the N counts stably);
