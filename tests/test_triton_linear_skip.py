@@ -529,3 +529,19 @@ def test_gpu_no_host_sync(tune, tuning):
     finally:
         torch.cuda.set_sync_debug_mode(prior)
     torch.cuda.synchronize()
+
+
+def test_plan_kernels_leave_wide_maps_to_torch(tune, monkeypatch):
+    # Past plan_kernels.MAX_TILES tiles a row (the sort's width in one program), the PyTorch ops build the plan.
+    from logitless.kernels.linear_head import plan_kernels
+
+    g, u, m, logs = _peaked_record(96, 40, 7)
+    a = torch.rand(96, generator=g)
+    target = torch.randint(0, 40 * 64, (96,), generator=g)
+    args = (u, m, logs, a, target, None, 40 * 64, -0.25, 32, 64, True)
+    calls = []
+    monkeypatch.setattr(plan_kernels, "MAX_TILES", 32)
+    monkeypatch.setattr(plan_kernels, "block_plan", lambda *a, **k: calls.append(1))
+    want = lh.skip_plan(*args)
+    got = lh.skip_plan(*args, kernels=True)
+    assert not calls and torch.equal(want.hot, got.hot) and torch.equal(want.list_v, got.list_v)
