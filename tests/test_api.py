@@ -190,6 +190,8 @@ PINNED = {
     "logitless.kernels.Tuning.debug_plans": "None",
     "logitless.kernels.Tuning.debug_backwards": "None",
     "logitless.kernels.Tuning.skip_group_rows": "True",
+    "logitless.kernels.Tuning.skip_plan_kernels": "True",
+    "logitless.kernels.Tuning.skip_dz_hot_list": "True",
     "logitless.kernels.Tuning.skip_wide": "None",
     "logitless.kernels.Tuning.skip_dx_first": "True",
     "logitless.kernels.Tuning.skip_dx_split": "4",

@@ -17,6 +17,7 @@ import logitless
 from logitless import testing, triton_backend
 from logitless.apps.bench import data
 from logitless.kernels import linear_head as lh
+from logitless.kernels._common import INTERPRETER_SMS_BACKWARD
 from logitless.kernels.linear_head import configs as lh_configs
 from logitless.linear_cross_entropy import class_counts
 from tests.helpers import (
@@ -545,3 +546,25 @@ def test_plan_kernels_leave_wide_maps_to_torch(tune, monkeypatch):
     want = lh.skip_plan(*args)
     got = lh.skip_plan(*args, kernels=True)
     assert not calls and torch.equal(want.hot, got.hot) and torch.equal(want.list_v, got.list_v)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dz_hot_list_matches_one_program_per_pair(tune, small_tiles, bias):
+    # The dz launches that walk the hot pairs alone compute each hot pair as the one-program-per-pair launches do:
+    # bitwise equal gradients, over several chunks (skip_wide of three tiles), a bias (the cold pairs' partials are
+    # zeros without a program), ignored rows, tiles with no hot block and tiles hot for every block.
+    x, w, t = peaked(torch.bfloat16, [(3, 70, 140), (200, 230, 290)], n=100, v=450)
+    t[::9] = -100
+    b = (torch.randn(450, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16).to(DEV) if bias else None
+    out = []
+    for hot_list in (False, True):
+        records = []
+        tune(skip_dz_hot_list=hot_list, skip_wide=192, scratch_bytes=100 * 2 * 64, debug_backwards=records)
+        _, gs = skip_check(x, w, b, t, tune, skip_threshold=TAU, workspace_bytes=1 << 24)
+        launches = [d for r in records for d in r.dz]
+        assert len(launches) >= 3 and all(d.skip for d in launches)
+        # a program per multiprocessor (the interpreter's stand-in count), each walking several pairs
+        assert all(d.persistent and d.programs <= INTERPRETER_SMS_BACKWARD for d in launches) == hot_list
+        out.append(gs)
+    for a, c in zip(*out, strict=True):
+        assert torch.equal(a, c)

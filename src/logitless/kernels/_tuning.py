@@ -94,6 +94,9 @@ class Tuning:
     # The skip plan built by three Triton launches (plan_kernels) instead of about a hundred PyTorch ops over (N, T)
     # arrays: the same plan in less kernel and host time (docs/design/skipping.md, "The plan in three launches").
     skip_plan_kernels: bool = True
+    # ... and its dz launches as one program per multiprocessor walking the chunk's hot pairs alone (the plan's
+    # per-tile lists) instead of one program per pair, most of which return at once (docs/design/skipping.md).
+    skip_dz_hot_list: bool = True
     # Classes per first-pass chunk of a skipping backward, at least the dense plans' (Config.wide); None: the
     # configuration's Config.skip_wide. Wider chunks launch less often and take a larger dz scratch (N x chunk in
     # the input dtype): docs/design/skipping.md, "Where the skipping backward's memory goes".

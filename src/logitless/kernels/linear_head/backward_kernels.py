@@ -141,9 +141,9 @@ def _dz_tile(
 def _dz_kernel(
     # pointers (dz_desc: a tensor descriptor of dz's [BLOCK_N, BLOCK_V] blocks with DZ_TMA)
     x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr, c_ptr, e_ptr, hot_ptr,
-    dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr,
+    dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, list_v_ptr, pairs_ptr,
     # sizes
-    N, D, v_begin, v_end, n_vtiles, n_progs,
+    N, D, v_begin, v_end, n_vtiles, n_progs, n_blocks,
     # strides
     stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp,
     # options
@@ -155,6 +155,7 @@ def _dz_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_AT: tl.constexpr,
     FINE_SLOPE: tl.constexpr, HALF_TANH: tl.constexpr, DZ_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    HOT_LIST: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     # Programs that run together share GROUP token blocks and their W tiles in L2. (Token-block-major, each wave
     # re-read the chunk's whole W: docs/design/backward.md has the L2 hit rates.)
@@ -168,6 +169,29 @@ def _dz_kernel(
         for tile in tl.range(tl.program_id(0), n_nb * n_vt, n_progs, flatten=True):
             pid_n, pid_v = grouped(tile, n_nb, n_vt, GROUP)
             _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,
+                     c_ptr, e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,
+                     stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp, softcap,
+                     inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_B, HAS_C, HAS_E, HAS_CLASS_WEIGHT, STORE_DZ,
+                     HAS_DB, HAS_PERM, LOAD_Z, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, USE_TMA,
+                     HAS_AT, FINE_SLOPE, HALF_TANH, DZ_TMA)
+    elif HOT_LIST:
+        # Skipping, n_progs programs walk the chunk's hot pairs alone, tile by tile (each tile's hot token blocks,
+        # the plan's list_v), instead of one program per pair of which most return at once: pairs_ptr holds the
+        # hot pairs of all tiles before each tile of the map, so pair i of the chunk is in the last tile whose
+        # count is <= i (a binary search over the chunk's tiles).
+        t0 = v_begin // BLOCK_V
+        first = tl.load(pairs_ptr + t0)
+        total = tl.load(pairs_ptr + t0 + n_vt) - first
+        for i in range(tl.program_id(0), total, n_progs):
+            lo = t0
+            hi = t0 + n_vt
+            for _ in tl.static_range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                go = tl.load(pairs_ptr + mid) - first <= i
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid)
+            pid_n = tl.load(list_v_ptr + lo.to(tl.int64) * n_blocks + (i + first - tl.load(pairs_ptr + lo)))
+            _dz_tile(pid_n, lo - t0, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,
                      c_ptr, e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,
                      stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp, softcap,
                      inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_B, HAS_C, HAS_E, HAS_CLASS_WEIGHT, STORE_DZ,

@@ -236,6 +236,13 @@ class _Backward:
         self.sp = sp
         self.lists = ((self.sp.list_n, self.sp.pre_n, self.sp.list_v, self.sp.pre_v) if self.skip
                       else (None,) * 4)
+        # Skipping, the dz launches walk the hot pairs alone (Tuning.skip_dz_hot_list): the hot pairs of all tiles
+        # before each tile, made once.
+        self.pairs = None
+        if self.skip and current_tuning().skip_dz_hot_list:
+            n_hot = sp.pre_v[:, -1]
+            self.pairs = torch.zeros(self.n_vtiles + 1, dtype=torch.int32, device=x.device)
+            torch.cumsum(n_hot, 0, dtype=torch.int32, out=self.pairs[1:])
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
@@ -346,19 +353,24 @@ class _Backward:
         if self.cap_tiles and not stashed:
             bv, stages, ox, ow = cfg.cap_dz_block_v, cfg.cap_dz_stages or cfg.fwd_stages, self.cap_x, self.cap_w
         n_tiles = self.n_blocks * cdiv(v1 - v0, bv)
+        hot_list = self.pairs is not None
         # Recomputing chunks whose dz the copy engine can store: a persistent grid (see _dz_kernel). Not with the
         # entropy's term or a softcap, whose longer epilogues it made slower (docs/design/backward.md, "The dz
         # kernel, persistent").
         persistent = (cfg.dz_persistent and self.dz_tma and store and not stashed and not self.skip
                       and B is None and self.softcap is None and tma_ok(dz))
         dz_desc = configs.descriptor(dz, [cfg.block_n, bv]) if persistent else None
-        n_progs = min(n_tiles, self.sms) if persistent else n_tiles
+        n_progs = min(n_tiles, self.sms) if persistent or hot_list else n_tiles
+        if hot_list and with_db:
+            dbp.zero_()  # the cold pairs' bias partials: no program visits them
         if self.rec is not None:
-            self.rec.dz.append(DzLaunch(v0, v1, n_progs, bv, stashed, bool(persistent), bool(persistent), self.skip))
+            self.rec.dz.append(DzLaunch(v0, v1, n_progs, bv, stashed, bool(persistent or hot_list), bool(persistent),
+                                        self.skip))
         bk._dz_kernel[(n_progs,)](
             ox, ow, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
             self.sp.hot if self.skip else None, dz, dz_desc, dbp, zs, zo, self.At,
-            N, self.D, v0, v1, self.n_vtiles, n_progs,
+            self.sp.list_v if hot_list else None, self.pairs, N, self.D, v0, v1, self.n_vtiles, n_progs,
+            self.n_blocks,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), dz.stride(0) if store else 0,
             dz.stride(1) if store else 1, dbp.stride(0) if with_db else 0,
             float(self.softcap or 1.0), float(self.inv_temp),
@@ -370,7 +382,8 @@ class _Backward:
             EVEN_K=self.D % cfg.block_k == 0, **self.dot,
             USE_TMA=self.dz_tma, HAS_AT=self.At is not None and C is not None and target is not None,
             FINE_SLOPE=x.dtype == torch.float32, HALF_TANH=x.dtype != torch.float32, DZ_TMA=persistent,
-            PERSISTENT=persistent, num_warps=cfg.fwd_warps, num_stages=stages,
+            PERSISTENT=persistent, HOT_LIST=hot_list, SEARCH_STEPS=max(1, (cdiv(v1 - v0, bv)).bit_length()),
+            num_warps=cfg.fwd_warps, num_stages=stages,
         )
         if with_db:
             torch.sum(dbp, dim=0, out=self.db[v0:v1])
