@@ -555,7 +555,8 @@ def test_dz_hot_list_matches_one_program_per_pair(tune, small_tiles, bias):
     # zeros without a program), ignored rows, tiles with no hot block and tiles hot for every block.
     x, w, t = peaked(torch.bfloat16, [(3, 70, 140), (200, 230, 290)], n=100, v=450)
     t[::9] = -100
-    b = (torch.randn(450, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16).to(DEV) if bias else None
+    b = torch.randn(450, generator=torch.Generator().manual_seed(1)) * 0.1
+    b = b.to(torch.bfloat16).to(DEV) if bias else None
     out = []
     for hot_list in (False, True):
         records = []

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .._device import LOG2E, cast, mma
-from .tiles import classes, cold_pair, grouped, logits_tile, transform
+from .tiles import classes, cold_pair, grouped, hot_pair, logits_tile, transform
 
 # ------------------------------------------------------------------------------------------------------------------
 # Backward, step 1 of a vocabulary chunk: dL/dz of the chunk (and the bias gradient's per-token-block sums)
@@ -177,21 +177,13 @@ def _dz_kernel(
     elif HOT_LIST:
         # Skipping, n_progs programs walk the chunk's hot pairs alone, tile by tile (each tile's hot token blocks,
         # the plan's list_v), instead of one program per pair of which most return at once: pairs_ptr holds the
-        # hot pairs of all tiles before each tile of the map, so pair i of the chunk is in the last tile whose
-        # count is <= i (a binary search over the chunk's tiles).
+        # hot pairs of all tiles before each tile of the map (tiles.hot_pair finds pair i's).
         t0 = v_begin // BLOCK_V
         first = tl.load(pairs_ptr + t0)
         total = tl.load(pairs_ptr + t0 + n_vt) - first
         for i in range(tl.program_id(0), total, n_progs):
-            lo = t0
-            hi = t0 + n_vt
-            for _ in tl.static_range(SEARCH_STEPS):
-                mid = (lo + hi) // 2
-                go = tl.load(pairs_ptr + mid) - first <= i
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid)
-            pid_n = tl.load(list_v_ptr + lo.to(tl.int64) * n_blocks + (i + first - tl.load(pairs_ptr + lo)))
-            _dz_tile(pid_n, lo - t0, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,
+            pid_n, pid_v = hot_pair(pairs_ptr, list_v_ptr, i, first, t0, n_vt, n_blocks, SEARCH_STEPS)
+            _dz_tile(pid_n, pid_v, x_ptr, w_ptr, b_ptr, t_ptr, cw_ptr, perm_ptr, m_ptr, logs_ptr, a_ptr, bc_ptr,
                      c_ptr, e_ptr, dz_ptr, dz_desc, dbp_ptr, zs_ptr, zo_ptr, at_ptr, N, D, v_begin, v_end,
                      stride_xn, stride_xd, stride_wv, stride_wd, stride_dz, stride_dzv, stride_dbp, softcap,
                      inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_B, HAS_C, HAS_E, HAS_CLASS_WEIGHT, STORE_DZ,

@@ -1,11 +1,11 @@
 """The skip plan's (N, T) work in three Triton launches instead of some hundred PyTorch ops.
 
-plans.skip_plan computes, for each (row, tile) pair, its cost relative to the row's budget q_it, then per block of
+skip_plans.skip_plan computes, for each (row, tile) pair, its cost relative to the row's budget q_it, then per block of
 (grouped) rows the tiles it may skip, then the lists the gradient products walk. As PyTorch ops that is about a
 hundred launches, many of them passes over (N, T) float32 arrays, each also a cost to the host that issues it
 (docs/design/skipping.md, "The plan in three launches"). Here:
 
-1. _hot_count_kernel: per row, how many tiles hold more than plans._HOT_FRACTION of its budget (the key rows are
+1. _hot_count_kernel: per row, how many tiles hold more than skip_plans._HOT_FRACTION of its budget (the key rows are
    grouped by; PyTorch then sorts the N counts stably);
 2. _cold_kernel: per block of grouped rows, the largest q of each tile over the block's rows, the tiles sorted by it
    (ties by index), and the longest prefix of that order whose running sums stay within every row's budget: those
@@ -27,7 +27,7 @@ from .._common import cdiv
 @triton.jit
 def _pair_cost(u16, lse, abs_a, abs_b, budget, tgt, tiles, valid, WIDEN: tl.constexpr, LOG_BV: tl.constexpr,
                HAS_B: tl.constexpr):
-    # q of plans.skip_plan for float16 tile log-sum-exps u16 [R, C] of rows with per-row vectors [R, 1] (tgt: the
+    # q of skip_plans.skip_plan for float16 tile log-sum-exps u16 [R, C] of rows with per-row vectors [R, 1] (tgt: the
     # row's target tile or -1) at tile indices tiles [1, C]; 0 where not valid (rows past N, tiles past T).
     u = u16.to(tl.float32)
     r = tl.exp(u + tl.abs(u) * WIDEN - lse + tl.abs(lse) * 0.00000095367431640625)  # 2^-20
@@ -190,7 +190,7 @@ def hot_counts(u, lse, abs_a, abs_b, budget, tgt, hot: float, widen: float, log_
 
 
 def block_plan(u, lse, abs_a, abs_b, budget, tgt, rows, block_n: int, limit: float, widen: float, log_bv: float):
-    """(hot, list_n, pre_n, list_v, pre_v) of a plans.SkipPlan for the rows in the order `rows` (None: as given)."""
+    """(hot, list_n, pre_n, list_v, pre_v) of a skip_plans.SkipPlan, rows in the order `rows` (None: as given)."""
     import torch
 
     N, T = u.shape

@@ -1,6 +1,6 @@
 """Triton device functions of the linear-head family, shared by its forward and backward kernels and by the two-head
 kernels: the logits of a tile, the class of a vocabulary position, the bias / softcap / temperature transform, the
-grouped program order, the entropy sum's rescaling, and the skip plan's cold pairs."""
+grouped program order, the entropy sum's rescaling, and the skip plan's cold and hot pairs."""
 
 import triton
 import triton.language as tl
@@ -116,3 +116,20 @@ def cold_pair(hot_ptr, dbp_ptr, pid_n, pid_v, n_vtiles, v_begin, v_end, stride_d
             tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + lcols, tl.zeros((BLOCK_V,), tl.float32),
                      mask=lcols < v_end - v_begin)
     return cold
+
+
+@triton.jit
+def hot_pair(pairs_ptr, list_v_ptr, i, first, t0, n_vt, n_blocks, SEARCH_STEPS: tl.constexpr):
+    """(token block, tile of the chunk) of the chunk's hot pair i, the chunk's tiles t0 .. t0 + n_vt - 1 of the skip
+    plan's map walked tile by tile, each tile's hot blocks in its list (list_v_ptr, n_blocks a tile): pairs_ptr[t]
+    is the hot pairs of the map's tiles before t, first = pairs_ptr[t0], so the pair's tile is the last whose count
+    is <= i (a binary search, SEARCH_STEPS >= log2(n_vt) halvings; tiles without hot blocks are passed over)."""
+    lo = t0
+    hi = t0 + n_vt
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(pairs_ptr + mid) - first <= i
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    pid_n = tl.load(list_v_ptr + lo.to(tl.int64) * n_blocks + (i + first - tl.load(pairs_ptr + lo)))
+    return pid_n, lo - t0
