@@ -102,8 +102,7 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     # c_it / T_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
     # the float16 rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
-    u = tile_lse.float()
-    r = (u + u.abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().clamp_(max=1.0)
+    r = _tile_mass(tile_lse, lse)
     budget = row_budget(m, logs, threshold, A, B)
     q = skip_cost(r, A, B, block_v).div_(budget.clamp(min=1e-30)[:, None])
     if current_tuning().debug_plans is None:
@@ -118,6 +117,13 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     if current_tuning().debug_plans is not None:
         bound = torch.where((budget > 0)[:, None], r, 0.0)  # the skipped mass, 0 for rows without coefficients
     return cold_pairs(q, block_n, group_rows, bound)
+
+
+def _tile_mass(tile_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    # (N, T) float32 bound r_it on row i's probability mass in tile t: the float16 record widened by its rounding
+    # (_WIDEN) and lse by 2^-20 |lse|, far above float32's (plan_kernels._pair_cost computes the same).
+    u = tile_lse.float()
+    return (u + u.abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().clamp_(max=1.0)
 
 
 def _target_tiles(target, perm, V, block_v) -> torch.Tensor:
@@ -149,8 +155,7 @@ def _kernel_plan(tile_lse, lse, m, logs, A, B, target, perm, V, threshold, block
     hot, list_n, pre_n, list_v, pre_v = plan_kernels.block_plan(*args, rows, block_n, 1.0 - 2.0**-16, _WIDEN, log_bv)
     row_bound = None
     if current_tuning().debug_plans is not None:
-        r = (u.float() + u.float().abs() * _WIDEN - lse[:, None] + lse.abs()[:, None] * 2.0**-20).exp_().clamp_(max=1.0)
-        row_bound = _row_bound(torch.where((budget > 0)[:, None], r, 0.0), hot == 0, rows, block_n)
+        row_bound = _row_bound(torch.where((budget > 0)[:, None], _tile_mass(u, lse), 0.0), hot == 0, rows, block_n)
     return SkipPlan(hot, list_n, pre_n, list_v, pre_v, row_bound, rows)
 
 
