@@ -406,7 +406,9 @@ def test_persistent_dz(tune, softcap, bias, n, entropy):
             grads[persistent] = [g.grad for g in (xo, wo, bo) if g is not None]
     for a, c in zip(grads[False], grads[True], strict=True):
         assert torch.equal(a, c)
-    seen = [(launch.programs, launch.persistent, launch.store_tma, launch.stashed) for launch in dz_launches(records)]
+    # (the skip gate's probe may skip on the second call: its launches walk hot pairs, Tuning.skip_dz_hot_list)
+    seen = [(launch.programs, launch.persistent, launch.store_tma, launch.stashed) for launch in dz_launches(records)
+            if not launch.skip]
     runs = [s for s in seen if s[1]]
     if softcap is not None or entropy:
         assert seen and not runs
