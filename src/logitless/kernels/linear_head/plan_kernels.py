@@ -13,7 +13,7 @@ hundred launches, many of them passes over (N, T) float32 arrays, each also a co
 3. _tile_lists_kernel: per tile, its hot blocks then its cold ones, and their prefix counts.
 
 q is recomputed from the float16 tile record wherever it is needed (twice per pair, plus once for the counts)
-rather than stored: the record is a quarter of the bytes of a float32 q. The results are the plan of the PyTorch
+rather than stored: the record has half the bytes of a float32 q. The results are the plan of the PyTorch
 ops, but for pairs whose running sum lands within float32 rounding of the budget's edge (the sums are taken in
 another order): either side of that edge keeps the bound, which has a 2^-16 margin for exactly that.
 """
