@@ -43,16 +43,23 @@ def _pair_cost(u16, lse, abs_a, abs_b, budget, tgt, tiles, valid, WIDEN: tl.cons
 
 
 @triton.jit
-def _hot_count_kernel(u_ptr, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, count_ptr, N, T, stride_u,
-                      HOT: tl.constexpr, WIDEN: tl.constexpr, LOG_BV: tl.constexpr, HAS_B: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
+def _row_vectors(rows, row_ok, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, HAS_B: tl.constexpr):
+    # The per-row inputs of _pair_cost for rows (int64 [R]) as [R, 1] columns; neutral values where not row_ok.
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)[:, None]
     abs_a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)[:, None]
     abs_b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)[:, None] if HAS_B else abs_a
     budget = tl.load(budget_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)[:, None]
+    return lse, abs_a, abs_b, budget, tgt
+
+
+@triton.jit
+def _hot_count_kernel(u_ptr, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, count_ptr, N, T, stride_u,
+                      HOT: tl.constexpr, WIDEN: tl.constexpr, LOG_BV: tl.constexpr, HAS_B: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    lse, abs_a, abs_b, budget, tgt = _row_vectors(rows, row_ok, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, HAS_B)
     count = tl.zeros((ROWS,), dtype=tl.int32)
     for c0 in range(0, T, COLS):
         tiles = c0 + tl.arange(0, COLS)[None, :]
@@ -85,12 +92,8 @@ def _cold_kernel(u_ptr, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, rows_ptr, or
         r = tl.load(rows_ptr + p, mask=p_ok, other=0).to(tl.int64) if HAS_ROWS else p.to(tl.int64)
         ok = p_ok[:, None] & (all_tiles[None, :] < T)
         u = tl.load(u_ptr + r[:, None] * stride_u + all_tiles[None, :], mask=ok, other=0.0)
-        q = _pair_cost(u, tl.load(lse_ptr + r, mask=p_ok, other=0.0)[:, None],
-                       tl.load(a_ptr + r, mask=p_ok, other=0.0)[:, None],
-                       tl.load(b_ptr + r, mask=p_ok, other=0.0)[:, None] if HAS_B else 0.0,
-                       tl.load(budget_ptr + r, mask=p_ok, other=0.0)[:, None],
-                       tl.load(tgt_ptr + r, mask=p_ok, other=-1)[:, None], all_tiles[None, :], ok,
-                       WIDEN, LOG_BV, HAS_B)
+        lse, abs_a, abs_b, budget, tgt = _row_vectors(r, p_ok, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, HAS_B)
+        q = _pair_cost(u, lse, abs_a, abs_b, budget, tgt, all_tiles[None, :], ok, WIDEN, LOG_BV, HAS_B)
         q = tl.where(q == q, q, float("inf"))  # a NaN pair (a NaN record) is hot, its tile sorted last: as +inf
         amax = tl.maximum(amax, tl.max(q, axis=0))
 
@@ -105,11 +108,7 @@ def _cold_kernel(u_ptr, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, rows_ptr, or
 
     # 3. Walk that order COLS tiles at a time with every row's running sum: the cold tiles are the positions
     #    before the first where some row's sum passes the limit.
-    lse = tl.load(lse_ptr + rows, mask=pos_ok, other=0.0)[:, None]
-    abs_a = tl.load(a_ptr + rows, mask=pos_ok, other=0.0)[:, None]
-    abs_b = tl.load(b_ptr + rows, mask=pos_ok, other=0.0)[:, None] if HAS_B else abs_a
-    budget = tl.load(budget_ptr + rows, mask=pos_ok, other=0.0)[:, None]
-    tgt = tl.load(tgt_ptr + rows, mask=pos_ok, other=-1)[:, None]
+    lse, abs_a, abs_b, budget, tgt = _row_vectors(rows, pos_ok, lse_ptr, a_ptr, b_ptr, budget_ptr, tgt_ptr, HAS_B)
     run = tl.zeros((BLOCK_N,), dtype=tl.float32)
     n_cold = T
     for c0 in range(0, T, COLS):
