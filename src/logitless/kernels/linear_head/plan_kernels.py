@@ -18,6 +18,7 @@ ops, but for pairs whose running sum lands within float32 rounding of the budget
 another order): either side of that edge keeps the bound, which has a 2^-16 margin for exactly that.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -177,8 +178,6 @@ def supported(T: int) -> bool:
 
 def hot_counts(u, lse, abs_a, abs_b, budget, tgt, hot: float, widen: float, log_bv: float):
     """(N,) int32: per row, the tiles whose q is over `hot`."""
-    import torch
-
     N, T = u.shape
     count = torch.empty(N, dtype=torch.int32, device=u.device)
     rows, cols = 16, 128
@@ -190,8 +189,6 @@ def hot_counts(u, lse, abs_a, abs_b, budget, tgt, hot: float, widen: float, log_
 
 def block_plan(u, lse, abs_a, abs_b, budget, tgt, rows, block_n: int, limit: float, widen: float, log_bv: float):
     """(hot, list_n, pre_n, list_v, pre_v) of a skip_plans.SkipPlan, rows in the order `rows` (None: as given)."""
-    import torch
-
     N, T = u.shape
     n_blocks = cdiv(N, block_n)
     dev = u.device
