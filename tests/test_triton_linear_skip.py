@@ -17,7 +17,6 @@ import logitless
 from logitless import testing, triton_backend
 from logitless.apps.bench import data
 from logitless.kernels import linear_head as lh
-from logitless.kernels._common import INTERPRETER_SMS_BACKWARD
 from logitless.kernels.linear_head import configs as lh_configs
 from logitless.linear_cross_entropy import class_counts
 from tests.helpers import (
@@ -467,6 +466,35 @@ def test_plan_kernels_build_the_torch_plan(tune, n, t, block_n, entropy, perm, t
     assert 0 < int(want.hot.sum()) < want.hot.numel() or t == 1 or n < block_n
 
 
+@pytest.mark.parametrize("threshold,entropy,perm", [(-0.25, False, False), (-0.25, True, False), (1e-3, True, False),
+                                                 (-0.25, False, True)])
+def test_plan_kernels_row_vectors(threshold, entropy, perm):
+    # The per-row vectors of the kernel plan against the PyTorch ops': lse, |A|, |B| exactly, the budget (its batch
+    # sums in another order) to float32 rounding, the target tiles exactly; over several programs' partial sums,
+    # with near-certain rows (logs ~ 0: expm1's small-argument side), an ignored target and A broadcast (stride 0).
+    from logitless.kernels.linear_head import plan_kernels, skip_plans
+
+    g = torch.Generator().manual_seed(3)
+    n, v, bv = 333, 5000, 64
+    m = (torch.randn(n, generator=g) * 8).to(DEV)
+    logs = (torch.rand(n, generator=g) * 3).to(DEV)
+    logs[::4] = torch.rand(len(logs[::4]), generator=g).to(DEV) * 1e-5
+    logs[::9] *= 0.7
+    a = torch.full((1,), 1.0 / n, device=DEV).expand(n)
+    b = (torch.randn(n, generator=g) * 0.3).to(DEV) if entropy else None
+    target = torch.randint(0, v, (n,), generator=g).to(DEV)
+    target[::5] = -100
+    order = torch.randperm(v, generator=g).to(torch.int32).to(DEV) if perm else None
+    tgt = skip_plans._target_tiles(target, order, v, bv)
+    lse, abs_a, abs_b, budget, got_tgt = plan_kernels.row_vectors(m, logs, a, b, target, tgt if perm else None, v,
+                                                                  threshold, bv)
+    assert torch.equal(lse, m + logs) and torch.equal(abs_a, a.abs())
+    assert (abs_b is None) == (b is None) and (b is None or torch.equal(abs_b, b.abs()))
+    torch.testing.assert_close(budget, skip_plans.row_budget(m, logs, threshold, a, b), rtol=4e-7, atol=0)
+    assert torch.equal(got_tgt, tgt)
+    assert int((got_tgt == -1).sum()) == len(target[::5])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,D,V", [(8192, 640, 262144), (4000, 1024, 151936)])
 def test_gpu_plan_kernels_at_full_size(N, D, V):
@@ -564,8 +592,44 @@ def test_dz_hot_list_matches_one_program_per_pair(tune, small_tiles, bias):
         _, gs = skip_check(x, w, b, t, tune, skip_threshold=TAU, workspace_bytes=1 << 24)
         launches = [d for r in records for d in r.dz]
         assert len(launches) >= 3 and all(d.skip for d in launches)
-        # a program per multiprocessor (the interpreter's stand-in count), each walking several pairs
-        assert all(d.persistent and d.programs <= INTERPRETER_SMS_BACKWARD for d in launches) == hot_list
+        # at most a program per multiprocessor (the interpreter's stand-in count on the CPU), walking the hot pairs
+        sms = lh_configs.backward_sms(x.device)
+        assert all(d.persistent and d.programs <= sms for d in launches) == hot_list
         out.append(gs)
     for a, c in zip(*out, strict=True):
         assert torch.equal(a, c)
+
+
+def test_skip_products_take_narrow_tiles_where_d_half_fills_the_last():
+    # Config.skip_products: the skipping gradient products' tiles narrow (skip_block_d, skip_grad_stages) only where
+    # D's last block_d tile would be at most half full.
+    cfg = lh_configs.hopper_config()
+    for d, narrow in ((640, True), (576, True), (896, True), (960, False), (2304, False), (4096, False), (100, True),
+                      (200, False)):
+        got = cfg.skip_products(d)
+        assert (got.block_d, got.grad_stages) == ((128, 5) if narrow else (cfg.block_d, cfg.grad_stages)), d
+    assert lh_configs.small_smem_config().skip_products(640) == lh_configs.small_smem_config()
+
+
+@pytest.mark.parametrize("narrow", [0, 16])
+def test_skip_narrow_product_tiles(tune, small_tiles, narrow, monkeypatch):
+    # D = 40 over the interpreter's 32-column product tiles: the skipping products take 16-column tiles (the Config's
+    # skip_block_d) or not; both hold the error rule, over several chunks, and agree to float32 rounding.
+    x, w, t = peaked(torch.bfloat16, [(3, 70, 140), (200, 230, 290)], n=100, d=40, v=450)
+    t[::7] = -100
+    taken = []
+    orig = lh_configs.Config.skip_products
+
+    def spy(cfg, d):
+        taken.append(orig(cfg, d).block_d)
+        return orig(cfg, d)
+
+    monkeypatch.setattr(lh_configs.Config, "skip_products", spy)
+    tune(linear_config=lh_configs.interpreter_config().replace(skip_block_d=narrow), skip_wide=192)
+    plans, got = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    assert taken == [narrow or 32]
+    assert plans and 0 < plans[0].hot.float().mean().item() < 1
+    tune(linear_config=lh_configs.interpreter_config().replace(skip_block_d=0), skip_wide=192)
+    _, ref = skip_check(x, w, None, t, tune, skip_threshold=TAU)
+    for a, c in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.float(), c.float(), rtol=1e-2, atol=1e-4)

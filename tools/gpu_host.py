@@ -9,7 +9,7 @@ For each shape and call (linear_cross_entropy fwd+bwd, linear_log_probs without 
 Then, on request, cProfile of the host side of a few calls (top functions by own time), and a breakdown of the host
 time of one call without the profiler's overhead (--breakdown): Triton's JIT entry (argument binding, cache lookup)
 and its launcher (tensor-descriptor packing and the driver call) timed per kernel by wrapping them, the host-made
-tensor descriptors, and the rest (our planner, PyTorch ops, autograd).
+tensor descriptors, and the package's functions (WRAPPED), each with its own time.
 
     PYTHONPATH=src python3 tools/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
         [--breakdown] [--data uniform|lm] [--skips auto,none] [--entropy]
@@ -101,42 +101,73 @@ def measure(fn, reps):
     return gpu, free, host, launches
 
 
-def breakdown(fn, calls=2):
-    """Host time of one call of fn split by where it is spent (wall clock, GPU kept busy far ahead)."""
+# Functions of the package timed one by one by --breakdown (own time: less the time of the timed calls inside),
+# as MODULE:NAME or MODULE:CLASS.METHOD under logitless.
+WRAPPED = (
+    "head:linear_cross_entropy", "_validate:linear_head", "_validate:check_target", "skip_gate:observe",
+    "triton_backend:stats", "triton_backend:fused_plan", "loss_math:ce_row_terms", "loss_math:ce_loss_from_stats",
+    "loss_math:reduce_loss", "loss_math:head_coefficients",
+    "kernels.linear_head.skip_plans:skip_plan", "kernels.linear_head.skip_plans:row_budget",
+    "kernels.linear_head.skip_plans:_target_tiles", "kernels.linear_head.plan_kernels:hot_counts",
+    "kernels.linear_head.plan_kernels:block_plan", "kernels.linear_head.launch:_Backward.__init__",
+    "kernels.linear_head.launch:_Backward.run", "kernels.linear_head.launch:_Backward.dz_pass",
+    "kernels.linear_head.launch:_Backward.grad_pass", "kernels.linear_head.plans:_plan",
+    "kernels.linear_head.plans:_first_pass", "kernels.linear_head.plans:_workspace",
+    "kernels.linear_head.configs:descriptor",
+)
+
+
+def breakdown(fn, calls=2, wrapped=WRAPPED):
+    """Host time of one call of fn split by where it is spent (wall clock, GPU kept busy far ahead): total and own
+    time (less the timed calls inside) of Triton's JIT entry and launcher, the host-made descriptors, the two
+    launchers and the package's functions in `wrapped`."""
+    import importlib
+    import sys
+
     from triton.backends.nvidia.driver import CudaLauncher
     from triton.runtime.jit import JITFunction
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     spent: dict[str, float] = {}
+    own: dict[str, float] = {}
     counts: dict[str, int] = {}
-    depth = [0]
+    inner = [0.0]  # time of timed calls inside the current one
 
     def timed(key_of, orig):
         def wrapper(*args, **kwargs):
             key = key_of(args)
-            depth[0] += 1
+            outer, inner[0] = inner[0], 0.0
             t0 = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
-                depth[0] -= 1
                 spent[key] = spent.get(key, 0.0) + dt
+                own[key] = own.get(key, 0.0) + dt - inner[0]
                 counts[key] = counts.get(key, 0) + 1
+                inner[0] = outer + dt
         return wrapper
-
-    import sys
 
     import logitless.kernels.linear_head as lh
 
-    # Wrapped wherever a module of the package holds them (the backends import them by name).
-    entries = {lh.backward: timed(lambda a: "linear_head.backward (all of it)", lh.backward),
-               lh.forward_stats: timed(lambda a: "linear_head.forward_stats (all of it)", lh.forward_stats)}
+    targets = {lh.backward: "linear_head.backward", lh.forward_stats: "linear_head.forward_stats"}
+    methods = []
+    for spec in wrapped:
+        mod_name, name = spec.split(":")
+        obj = importlib.import_module("logitless." + mod_name)
+        if "." in name:
+            cls_name, meth = name.split(".")
+            cls = getattr(obj, cls_name)
+            methods.append((cls, meth, cls.__dict__[meth], spec))
+        else:
+            targets[getattr(obj, name)] = spec
     swapped = [(mod, name, val) for mod in list(sys.modules.values())
                if getattr(mod, "__name__", "").startswith("logitless")
-               for name, val in list(vars(mod).items()) if callable(val) and val in entries]
+               for name, val in list(vars(mod).items()) if callable(val) and val in targets]
     for mod, name, val in swapped:
-        setattr(mod, name, entries[val])
+        setattr(mod, name, timed(lambda a, k=targets[val]: k, val))
+    for cls, meth, val, spec in methods:
+        setattr(cls, meth, timed(lambda a, k=spec: k, val))
     saved = (JITFunction.run, CudaLauncher.__call__, TensorDescriptor.__dict__["from_tensor"])
     JITFunction.run = timed(lambda a: f"jit {a[0].fn.__name__}", saved[0])
     CudaLauncher.__call__ = timed(lambda a: "launcher (inside jit)", saved[1])
@@ -145,6 +176,7 @@ def breakdown(fn, calls=2):
         fn()
         torch.cuda.synchronize()
         spent.clear()
+        own.clear()
         counts.clear()
         _busy(100.0)
         t0 = time.perf_counter()
@@ -156,18 +188,18 @@ def breakdown(fn, calls=2):
         JITFunction.run, CudaLauncher.__call__ = saved[0], saved[1]
         for mod, name, val in swapped:
             setattr(mod, name, val)
+        for cls, meth, val, _ in methods:
+            setattr(cls, meth, val)
         TensorDescriptor.from_tensor = saved[2]
-    jit = sum(v for k, v in spent.items() if k.startswith("jit "))
-    inner = sum(v for k, v in spent.items() if k.startswith("linear_head."))
-    rows = [("total", total, calls)] + sorted(((k, v, counts[k]) for k, v in spent.items()), key=lambda r: -r[1])
-    desc = spent.get("TensorDescriptor.from_tensor", 0.0)
-    rows.append(("launchers' own Python (planner, views, torch ops; inside linear_head, less jit and descriptors)",
-                 inner - jit - desc, calls))
-    rows.append(("outside linear_head (validation, torch.library op, autograd, loss ops)", total - inner, calls))
-    print("| where | ms per call | calls per call | us per call of it |")
-    print("| --- | ---: | ---: | ---: |")
-    for k, v, c in rows:
-        print(f"| {k} | {v * 1e3 / calls:.3f} | {c / calls:.0f} | {v * 1e6 / c:.1f} |")
+    timed_own = sum(own.values())
+    rows = sorted(((k, spent[k], own[k], counts[k]) for k in spent), key=lambda r: -r[2])
+    rows.append(("not inside any timed call (the caller's ops, autograd, the custom ops' dispatch)",
+                 total - timed_own, total - timed_own, calls))
+    print(f"total {total * 1e3 / calls:.3f} ms per call")
+    print("| where | ms per call | own ms per call | calls per call | own us per call of it |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for k, v, o, c in rows:
+        print(f"| {k} | {v * 1e3 / calls:.3f} | {o * 1e3 / calls:.3f} | {c / calls:.0f} | {o * 1e6 / c:.1f} |")
 
 
 def main():
@@ -208,9 +240,10 @@ def main():
                     fn()
                 pr.disable()
                 torch.cuda.synchronize()
-                s = io.StringIO()
-                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-                print(f"\n## cProfile, {N}, {D}, {V}, {name}, 5 calls\n" + s.getvalue())
+                for order, top in (("tottime", 30), ("cumulative", 60)):
+                    s = io.StringIO()
+                    pstats.Stats(pr, stream=s).sort_stats(order).print_stats(top)
+                    print(f"\n## cProfile by {order}, {N}, {D}, {V}, {name}, 5 calls\n" + s.getvalue())
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", default="0,auto")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tune", action="append", default=None)
+    ap.add_argument("--per-launch", type=int, default=0, metavar="CLASSES",
+                    help="also list each dz and gradient-product launch's time in order, and the plan's hot pairs "
+                         "per range of CLASSES classes (the skipping chunks' width)")
     args = ap.parse_args(argv)
     variants = [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv)
                 for v in args.tune or [""]]
@@ -119,6 +122,16 @@ def main(argv=None) -> int:
             if plans:
                 skipped = 1.0 - plans[0].hot.float().mean().item()
                 bound = plans[0].row_bound.max().item()
+            if args.per_launch:
+                launches = [(ev.name, ev.device_time_total / 1000.0) for ev in prof.events()
+                            if ev.device_type == torch.autograd.DeviceType.CUDA
+                            and _group(ev.name) in ("_dz_kernel", "_dgrad_kernel", "_sum_splits")]
+                print("    launches (ms): " + ", ".join(f"{_group(n)[1:4]} {t:.3f}" for n, t in launches))
+                if plans:
+                    hot = plans[0].hot
+                    per = max(1, args.per_launch * hot.shape[1] // V)
+                    counts = [int(hot[:, i:i + per].sum().item()) for i in range(0, hot.shape[1], per)]
+                    print(f"    hot pairs per {args.per_launch} classes (of {hot.shape[0] * per}): {counts}")
             parts = ", ".join(f"{k} {v:.2f}" for k, v in totals.most_common() if v >= 0.05)
             print(f"{kind:8s} {variant} skip_threshold={thr_text:8s} fwd+bwd {ms:7.2f} ms  "
                   f"peak {peak:6.0f} MiB  skipped {100 * skipped:5.1f}% (max row bound {bound:.2e})\n"

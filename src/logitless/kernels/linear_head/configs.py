@@ -51,6 +51,12 @@ class Config:
     # are short, so each chunk's fixed costs (launches, the dx accumulator's round trip) weigh more, and wider
     # chunks measured faster (docs/design/skipping.md).
     skip_wide: int = 0
+    # Gradient products of skipping chunks: output tiles of this many columns in this many pipeline stages where
+    # the last block_d tile of D would be at most half full (0: block_d and grad_stages). At D = 640 the 256-column
+    # tiles compute 768 columns for 640, and the 128-column ones, 5 stages deep, measured faster; where D fills its
+    # 256-column tiles they measured slower (docs/design/skipping.md).
+    skip_block_d: int = 0
+    skip_grad_stages: int = 0
     # The dz launches of chunks that recompute their logits as a persistent grid that stores dz through the copy
     # engine (operands through descriptors, dz rows the copy engine can address; not when skipping, nor with the
     # entropy's term or a softcap)
@@ -64,6 +70,12 @@ class Config:
     @property
     def dx_d(self) -> int:
         return self.dx_block_d or self.block_d
+
+    def skip_products(self, D: int) -> Config:
+        """This config with the gradient products' tiles of a skipping backward over D columns (skip_block_d)."""
+        if self.skip_block_d and 0 < D % self.block_d <= self.block_d // 2:
+            return self.replace(block_d=self.skip_block_d, grad_stages=self.skip_grad_stages or self.grad_stages)
+        return self
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -82,7 +94,8 @@ def hopper_config() -> Config:
     return Config(block_n=128, block_v=256, block_k=64, fwd_warps=8, fwd_stages=3,
                   block_m=128, block_d=256, block_kg=64, grad_warps=8, grad_stages=4,
                   group=8, waves=8, dz_block_v=256, tma=True, grad_tma=True, wide=8192, skip_wide=32768,
-                  cap_dz_block_v=128, cap_dz_stages=4, dz_persistent=True, chunk_tiles=8)
+                  skip_block_d=128, skip_grad_stages=5, cap_dz_block_v=128, cap_dz_stages=4, dz_persistent=True,
+                  chunk_tiles=8)
 
 
 def small_smem_config() -> Config:
@@ -91,7 +104,8 @@ def small_smem_config() -> Config:
     every big-tile kernel spills (tools/compile_check.py: 96-1736 bytes of stack per thread), while these compile
     in at most 48 KB with at most 8 bytes of stack on sm_80, sm_86, sm_89 and sm_120. Not timed: no such GPU was
     at hand."""
-    return hopper_config().replace(block_v=128, block_k=32, block_d=128, block_kg=32, dz_block_v=128)
+    return hopper_config().replace(block_v=128, block_k=32, block_d=128, block_kg=32, dz_block_v=128, skip_block_d=0,
+                                   skip_grad_stages=0)
 
 
 def fp32_config() -> Config:
@@ -106,7 +120,7 @@ def interpreter_config() -> Config:
     every direction."""
     return Config(block_n=32, block_v=64, block_k=32, fwd_warps=1, fwd_stages=1,
                   block_m=32, block_d=32, block_kg=32, grad_warps=1, grad_stages=1,
-                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16, skip_wide=320)
+                  group=2, waves=4, dz_block_v=64, wide=160, dx_block_d=16, skip_wide=320, skip_block_d=16)
 
 
 def gpu_config(dtype: torch.dtype, major: int, max_smem: int) -> Config:

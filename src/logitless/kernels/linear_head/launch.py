@@ -219,8 +219,10 @@ class _Backward:
         self.N, self.V, self.D = N, V, D
         self.cfg = cfg = config_for(x)
         skip_wide = current_tuning().skip_wide or cfg.skip_wide
-        if sp is not None and skip_wide > cfg.wide:
-            self.cfg = cfg = cfg.replace(wide=skip_wide)
+        if sp is not None:
+            self.cfg = cfg = cfg.skip_products(D)
+            if skip_wide > cfg.wide:
+                self.cfg = cfg = cfg.replace(wide=skip_wide)
         self.has_perm = perm is not None
         # Chunks of whole tiles with skipping or a vocabulary order (chunk boundaries on the tiles of the map).
         self.aligned = self.has_perm or sp is not None

@@ -1,10 +1,13 @@
-"""The skip plan's (N, T) work in three Triton launches instead of some hundred PyTorch ops.
+"""The skip plan's work in Triton launches instead of some hundred PyTorch ops: two over the rows, three over (N, T).
 
 skip_plans.skip_plan computes, for each (row, tile) pair, its cost relative to the row's budget q_it, then per block of
 (grouped) rows the tiles it may skip, then the lists the gradient products walk. As PyTorch ops that is about a
 hundred launches, many of them passes over (N, T) float32 arrays, each also a cost to the host that issues it
 (docs/design/skipping.md, "The plan in three launches"). Here:
 
+0. _row_prep_kernel and, for the shared budget of skip_plans.row_budget (threshold < 0), _shared_budget_kernel: the
+   per-row vectors the others read (lse, |A|, |B|, the budget, the target's tile), in float32 as the PyTorch ops
+   compute them, the batch's two sums of shared_budget taken in a fixed order over per-program partials;
 1. _hot_count_kernel: per row, how many tiles hold more than skip_plans._HOT_FRACTION of its budget (the key rows are
    grouped by; PyTorch then sorts the N counts stably);
 2. _cold_kernel: per block of grouped rows, the largest q of each tile over the block's rows, the tiles sorted by it
@@ -23,6 +26,70 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv
+
+
+@triton.jit
+def _neg_expm1(x):
+    # -expm1(-x) for x >= 0 (a row's mass outside its top class, 1 - exp(-logs)): a Taylor polynomial where
+    # 1 - exp(-x) would cancel (its terms past x^8 are below float32's rounding for x < 1/2), else 1 - exp(-x).
+    y = -x
+    poly = y * (1.0 + y * (0.5 + y * (0.16666666666666666 + y * (0.041666666666666664 + y * (
+        0.008333333333333333 + y * (0.001388888888888889 + y * (0.0001984126984126984 + y * 2.48015873015873e-05)))))))
+    return -tl.where(x < 0.5, poly, tl.exp(y) - 1.0)
+
+
+@triton.jit
+def _row_prep_kernel(m_ptr, logs_ptr, a_ptr, b_ptr, target_ptr, vec_ptr, part_ptr, tgt_ptr, N, V, n_parts, threshold,
+                     stride_m, stride_logs, stride_a, stride_b, stride_t, BLOCK_V: tl.constexpr, HAS_B: tl.constexpr,
+                     HAS_TARGET: tl.constexpr, WRITE_TGT: tl.constexpr,
+                     SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # vec (6, N) float32: lse, |A|, |B|, the budget (unless SHARED), and e, b of shared_budget (SHARED), whose
+    # per-program sums of squares go to part (2, n_parts); tgt (N,) int32: the target's tile or -1.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    m = tl.load(m_ptr + rows * stride_m, mask=ok, other=0.0).to(tl.float32)
+    logs = tl.load(logs_ptr + rows * stride_logs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(vec_ptr + rows, m + logs, mask=ok)
+    coef = tl.abs(tl.load(a_ptr + rows * stride_a, mask=ok, other=0.0).to(tl.float32))
+    tl.store(vec_ptr + N + rows, coef, mask=ok)
+    if HAS_B:
+        abs_b = tl.abs(tl.load(b_ptr + rows * stride_b, mask=ok, other=0.0).to(tl.float32))
+        tl.store(vec_ptr + 2 * N + rows, abs_b, mask=ok)
+        coef = coef + abs_b
+    if SHARED:
+        b = tl.maximum(tl.abs(m), 1.0, propagate_nan=tl.PropagateNan.ALL) * coef
+        e = b * _neg_expm1(logs)
+        tl.store(vec_ptr + 4 * N + rows, e, mask=ok)
+        tl.store(vec_ptr + 5 * N + rows, b, mask=ok)
+        tl.store(part_ptr + pid, tl.sum(tl.where(ok, e * e, 0.0), axis=0))
+        tl.store(part_ptr + n_parts + pid, tl.sum(tl.where(ok, b * b, 0.0), axis=0))
+    else:
+        tl.store(vec_ptr + 3 * N + rows, coef * threshold, mask=ok)
+    if WRITE_TGT:
+        tile = tl.full((BLOCK,), -1, tl.int64)
+        if HAS_TARGET:
+            t = tl.load(target_ptr + rows * stride_t, mask=ok, other=-1).to(tl.int64)
+            tile = tl.where((t >= 0) & (t < V), t // BLOCK_V, -1)
+        tl.store(tgt_ptr + rows, tile.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _shared_budget_kernel(vec_ptr, part_ptr, N, n_parts, scale, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    # The budgets of shared_budget from the e, b rows of vec and the partial sums of _row_prep_kernel (summed in the
+    # same order by every program): |threshold| sqrt((e^2 + R^2 b^2) / 2), R^2 = sum e^2 / sum b^2.
+    se = tl.zeros((PARTS,), dtype=tl.float32)
+    sb = tl.zeros((PARTS,), dtype=tl.float32)
+    for p0 in range(0, n_parts, PARTS):
+        p = p0 + tl.arange(0, PARTS)
+        se += tl.load(part_ptr + p, mask=p < n_parts, other=0.0)
+        sb += tl.load(part_ptr + n_parts + p, mask=p < n_parts, other=0.0)
+    r2 = tl.sum(se, axis=0) / tl.maximum(tl.sum(sb, axis=0), 1e-30)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    e = tl.load(vec_ptr + 4 * N + rows, mask=ok, other=0.0)
+    b = tl.load(vec_ptr + 5 * N + rows, mask=ok, other=0.0)
+    tl.store(vec_ptr + 3 * N + rows, tl.sqrt_rn((e * e + r2 * (b * b)) * 0.5) * scale, mask=ok)
 
 
 @triton.jit
@@ -174,6 +241,29 @@ MAX_TILES = 4096
 def supported(T: int) -> bool:
     """Whether the kernels build plans over T tiles per row."""
     return 0 < T <= MAX_TILES
+
+
+def row_vectors(m, logs, A, B, target, tgt, V: int, threshold: float, block_v: int):
+    """(lse, |A|, |B| or None, budget, target tile) of skip_plans.skip_plan's rows (float32, the tiles int32), for
+    threshold > 0 or < 0 (skip_plans.row_budget). tgt: the target tiles when the caller made them (a vocabulary
+    order), else None (from target, or -1 everywhere without one)."""
+    N = m.shape[0]
+    dev = m.device
+    block = 1024 if dev.type == "cuda" else 64
+    n_parts = cdiv(N, block)
+    shared = threshold < 0
+    vec = torch.empty((6, N), dtype=torch.float32, device=dev)
+    part = torch.empty((2, n_parts), dtype=torch.float32, device=dev) if shared else None
+    out_tgt = torch.empty(N, dtype=torch.int32, device=dev) if tgt is None else tgt
+    _row_prep_kernel[(n_parts,)](
+        m, logs, A, B, target, vec, part, out_tgt, N, V, n_parts, float(threshold), m.stride(0), logs.stride(0),
+        A.stride(0), 0 if B is None else B.stride(0), 0 if target is None else target.stride(0), BLOCK_V=block_v,
+        HAS_B=B is not None, HAS_TARGET=target is not None, WRITE_TGT=tgt is None, SHARED=shared, BLOCK=block,
+        num_warps=4)
+    if shared:
+        _shared_budget_kernel[(n_parts,)](vec, part, N, n_parts, float(-threshold), BLOCK=block,
+                                          PARTS=min(256, triton.next_power_of_2(n_parts)), num_warps=4)
+    return vec[0], vec[1], (vec[2] if B is not None else None), vec[3], out_tgt
 
 
 def hot_counts(u, lse, abs_a, abs_b, budget, tgt, hot: float, widen: float, log_bv: float):

@@ -96,9 +96,9 @@ def skip_plan(tile_lse, m, logs, A, target, perm, V, threshold, block_n, block_v
     kernels: build the plan with the Triton launches of plan_kernels (the linear-head backward's choice,
     Tuning.skip_plan_kernels) instead of PyTorch ops over (N, T) arrays; the same plan up to pairs at the float32
     rounding of a budget's edge."""
-    lse = m + logs
     if kernels and plan_kernels.supported(tile_lse.shape[1]):
-        return _kernel_plan(tile_lse, lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows)
+        return _kernel_plan(tile_lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows)
+    lse = m + logs
     # c_it / T_i for every row and tile (float32, N x T: a quarter of the bytes of the bf16 logits of one tile
     # column per row), +inf at each row's target tile, 0 for rows without coefficients. The exponent is widened by
     # the float16 rounding of u (_WIDEN) and by that of lse (2^-20 |lse|, far above float32's).
@@ -135,17 +135,12 @@ def _target_tiles(target, perm, V, block_v) -> torch.Tensor:
     return torch.where(valid, pos // block_v, -1).to(torch.int32)
 
 
-def _kernel_plan(tile_lse, lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows
-                 ) -> SkipPlan:
-    # skip_plan through plan_kernels: the per-row vectors here (O(N) ops), the (N, T) work in three launches.
+def _kernel_plan(tile_lse, m, logs, A, B, target, perm, V, threshold, block_n, block_v, group_rows) -> SkipPlan:
+    # skip_plan through plan_kernels: the per-row vectors in one or two launches, the (N, T) work in three.
     N, T = tile_lse.shape
     u = tile_lse if tile_lse.stride(1) == 1 else tile_lse.contiguous()
-    lse = lse.float().contiguous()
-    abs_a = A.float().abs().contiguous()
-    abs_b = None if B is None else B.float().abs().contiguous()
-    budget = row_budget(m, logs, threshold, A, B).contiguous()
-    tgt = (torch.full((N,), -1, dtype=torch.int32, device=u.device) if target is None
-           else _target_tiles(target, perm, V, block_v))
+    tgt = None if target is None or perm is None else _target_tiles(target, perm, V, block_v)
+    lse, abs_a, abs_b, budget, tgt = plan_kernels.row_vectors(m, logs, A, B, target, tgt, V, threshold, block_v)
     args = (u, lse, abs_a, abs_b, budget, tgt)
     log_bv = math.log(block_v)
     rows = None
