@@ -37,22 +37,26 @@ _MAX_HEADS = 64
 
 
 class _Record:
-    __slots__ = ("skip", "calls", "interval", "findings", "pending", "event", "share", "min_share")
+    __slots__ = ("skip", "calls", "interval", "findings", "pending", "event", "share", "min_share", "pairs", "host",
+                 "done")
 
     def __init__(self):
         self.skip = False  # the first call runs dense (one call alone is not worth a plan), the second probes
         self.calls = 0  # calls since the last probe, while dense
         self.interval = 2  # calls between probes while dense
         self.findings = 0  # dense findings in a row
-        self.pending = None  # a (1,) float32 host tensor being filled with a skipped share, or None
+        self.pending = None  # a 0-d int64 host tensor being filled with a plan's hot pair count, or None
         self.event = None  # the event after that copy (None on the CPU: the value is there already)
+        self.pairs = 0  # the pairs of that plan
+        self.host = None  # the pinned tensor the copies land in and their event, made once per record (an
+        self.done = None  # allocation and an event per call cost the host more than the copy)
         self.share = None  # the last skipped share read
         self.min_share = 0.0  # the share from which skipping pays, from the last decide()
 
     def poll(self) -> None:
         if self.pending is None or (self.event is not None and not self.event.query()):
             return
-        share = self.share = float(self.pending[0])  # a host tensor whose copy has completed: no wait
+        share = self.share = 1.0 - int(self.pending) / self.pairs  # a host tensor whose copy has completed: no wait
         self.pending = self.event = None
         tune = current_tuning()
         if share >= self.min_share:
@@ -106,19 +110,22 @@ def observe(weight: torch.Tensor, hot: torch.Tensor) -> None:
     without waiting for it: an asynchronous copy to the host, read by a later decide()."""
     if hot.numel() == 0 or _capturing(weight):
         return
-    share = 1.0 - hot.float().mean(dtype=torch.float32).reshape(1)
+    count = hot.sum()
     with _lock:
         rec = _records.get(_key(weight))
         if rec is None:
             return
-        if share.device.type == "cpu":
-            rec.pending, rec.event = share, None
+        rec.pairs = hot.numel()
+        if count.device.type == "cpu":
+            rec.pending, rec.event = count, None
             return
-        host = torch.empty(1, dtype=torch.float32, pin_memory=True)
-        host.copy_(share, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        rec.pending, rec.event = host, event
+        if rec.host is None:
+            rec.host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            rec.done = torch.cuda.Event()
+        # A copy still in flight may be overtaken: poll() reads the latest one, after its event.
+        rec.host.copy_(count, non_blocking=True)
+        rec.done.record()
+        rec.pending, rec.event = rec.host, rec.done
 
 
 def state(weight: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
