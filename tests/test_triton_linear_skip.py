@@ -451,6 +451,7 @@ def test_plan_kernels_build_the_torch_plan(tune, n, t, block_n, entropy, perm, t
     target = torch.randint(0, v, (n,), generator=g)
     target[::5] = -100
     order = torch.randperm(v, generator=g).to(torch.int32) if perm else None
+    u, m, logs, a, b, target, order = (None if z is None else z.to(DEV) for z in (u, m, logs, a, b, target, order))
     args = (u, m, logs, a, target if targets else None, order, v, threshold, block_n, 64, group)
     want = lh.skip_plan(*args, B=b)
     tune(debug_plans=[])
