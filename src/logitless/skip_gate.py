@@ -10,10 +10,11 @@ one shape that both train share a record, which only merges their measurements):
 
 - a call asks ``decide(weight)`` on the host, before its forward (under torch.compile, in the backward op, where
   the host code runs at every call and a decision never reaches the compiled graph);
-- a call that skips hands its plan's pair map to ``observe``, which starts an asynchronous copy of the skipped
-  share into pinned host memory and records an event; a later ``decide`` reads the share once that event has
-  completed (``Event.query``, which never waits) and keeps skipping while the share is at least the break-even share
-  of the dense plan the call would run instead (``Tuning.skip_min_share``, ``skip_min_share_row_chunks``);
+- a call that skips hands its plan's pair map to ``observe``, which starts an asynchronous copy of its hot pair
+  count into pinned host memory (one tensor per head) and records an event; a later ``decide`` reads the skipped
+  share from it once that event has completed (``Event.query``, which never waits) and keeps skipping while the
+  share is at least the break-even share of the dense plan the call would run instead (``Tuning.skip_min_share``,
+  ``skip_min_share_row_chunks``);
 - a head found dense runs the dense plans and probes again (one skipping call) after ``skip_probe_every`` calls,
   the interval doubling after each dense finding up to ``skip_probe_max``: a softmax that sharpens as training goes
   on is found within that many calls, and a flat one pays one skipping call in every ``skip_probe_max`` at most.
