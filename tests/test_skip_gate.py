@@ -59,6 +59,7 @@ def test_default_skips_a_peaked_head_and_stays_within_the_rule(plans):
     assert len(plans) == 2  # the first call runs dense, the second probes, the third keeps skipping
     share = 1.0 - plans[-1].hot.float().mean().item()
     assert share > 0.5 and skip_gate.state(w) == "skip"
+    assert skip_gate.last_share(w) == pytest.approx(share, rel=1e-6)  # what observe recorded: the last plan's
     # within the rule, against float64 and PyTorch's own bf16
     ref = [a.detach().double().requires_grad_() for a in (x, w)]
     pt = [a.detach().clone().requires_grad_() for a in (x, w)]

@@ -456,7 +456,9 @@ def test_plan_kernels_build_the_torch_plan(tune, n, t, block_n, entropy, perm, t
     want = lh.skip_plan(*args, B=b)
     tune(debug_plans=[])
     got = lh.skip_plan(*args, B=b, kernels=True)
-    for name in ("hot", "list_n", "pre_n", "list_v", "pre_v", "rows"):
+    assert torch.equal(want.pairs[1:], want.hot.sum(0, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+    assert int(want.pairs[0]) == 0
+    for name in ("hot", "list_n", "pre_n", "list_v", "pre_v", "pairs", "rows"):
         w_, g_ = getattr(want, name), getattr(got, name)
         assert (w_ is None) == (g_ is None), name
         if w_ is not None:

@@ -46,7 +46,7 @@ class _Record:
         self.calls = 0  # calls since the last probe, while dense
         self.interval = 2  # calls between probes while dense
         self.findings = 0  # dense findings in a row
-        self.pending = None  # a 0-d int64 host tensor being filled with a plan's hot pair count, or None
+        self.pending = None  # a 0-d int32 host tensor being filled with a plan's hot pair count, or None
         self.event = None  # the event after that copy (None on the CPU: the value is there already)
         self.pairs = 0  # the pairs of that plan
         self.host = None  # the pinned tensor the copies land in and their event, made once per record (an
@@ -106,17 +106,18 @@ def decide(weight: torch.Tensor, min_share: float) -> bool:
         return False
 
 
-def observe(weight: torch.Tensor, hot: torch.Tensor) -> None:
-    """Record the skipped share of a plan's (token block, tile) pair map `hot` (1 where computed) for the head,
-    without waiting for it: an asynchronous copy to the host, read by a later decide()."""
-    if hot.numel() == 0 or _capturing(weight):
+def observe(weight: torch.Tensor, plan) -> None:
+    """Record the skipped share of a skip plan (kernels/linear_head/skip_plans.SkipPlan: its hot pair count, of its
+    pair map's pairs) for the head, without waiting for it: an asynchronous copy to the host, read by a later
+    decide()."""
+    if plan.hot.numel() == 0 or _capturing(weight):
         return
-    count = hot.sum()
+    count = plan.pairs[-1]
     with _lock:
         rec = _records.get(_key(weight))
         if rec is None:
             return
-        rec.pairs = hot.numel()
+        rec.pairs = plan.hot.numel()
         if count.device.type == "cpu":
             rec.pending, rec.event = count, None
             return

@@ -118,7 +118,7 @@ def _backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softca
             and not skip_gate.decide(weight, _min_share(x, weight, False))):
         tile_lse = None  # the dense plans (the forward recorded the tiles for either answer)
     if skip_threshold < 0:  # "auto": the plan's skipped share tells skip_gate whether skipping pays for this head
-        extra["on_plan"] = lambda plan: skip_gate.observe(weight, plan.hot)
+        extra["on_plan"] = lambda plan: skip_gate.observe(weight, plan)
     return backward(x, weight, bias, target, class_weight, m, logs, A, B, C, E, softcap=softcap, inv_temp=inv_temp,
                     need_dx=need_dx, need_dw=need_dw, need_db=need_db, perm=perm, tile_lse=tile_lse,
                     skip_threshold=skip_threshold, workspace_bytes=workspace_bytes, At=At, **extra)

@@ -109,7 +109,7 @@ def _grad_op(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind, beta,
         if sink is not None:
             sink.append(sp)
         if skip_threshold < 0:  # the plan's skipped share tells skip_gate whether skipping pays for this head
-            skip_gate.observe(ws, sp.hot)
+            skip_gate.observe(ws, sp)
     out = two_heads_backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, kind=kind,
                              beta=beta, softcap=softcap, inv_temp=inv_temp, need_dx=need_dx, need_dw=need_dw,
                              need_db=need_db, workspace_bytes=workspace_bytes, sp=sp)

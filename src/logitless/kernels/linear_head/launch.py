@@ -238,13 +238,9 @@ class _Backward:
         self.sp = sp
         self.lists = ((self.sp.list_n, self.sp.pre_n, self.sp.list_v, self.sp.pre_v) if self.skip
                       else (None,) * 4)
-        # Skipping, the dz launches walk the hot pairs alone (Tuning.skip_dz_hot_list): the hot pairs of all tiles
-        # before each tile, made once.
-        self.pairs = None
-        if self.skip and current_tuning().skip_dz_hot_list:
-            n_hot = sp.pre_v[:, -1]
-            self.pairs = torch.zeros(self.n_vtiles + 1, dtype=torch.int32, device=x.device)
-            torch.cumsum(n_hot, 0, dtype=torch.int32, out=self.pairs[1:])
+        # Skipping, the dz launches walk the hot pairs alone (Tuning.skip_dz_hot_list), found through the plan's
+        # count of the hot pairs before each tile.
+        self.pairs = sp.pairs if self.skip and current_tuning().skip_dz_hot_list else None
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
@@ -457,8 +453,8 @@ class _Backward:
                 # Dealt out only where the plan skips most pairs: there the few rows that need every tile set the
                 # launch's time; with more of the pairs hot, the partials' traffic costs more than it saves
                 # (docs/design/skipping.md, "What was measured").
-                hot = self.sp.hot
-                self.dx_deal = (hot.sum(dtype=torch.int64) * 100 <= hot.numel() * current_tuning().skip_dx_deal_pct
+                n_hot = self.sp.pairs[-1:].to(torch.int64)
+                self.dx_deal = (n_hot * 100 <= self.sp.hot.numel() * current_tuning().skip_dx_deal_pct
                                 ).to(torch.int32)
         if split > 1 and self.deal_by_chunk is not None:
             self.dx_deal = self.deal_by_chunk[v0]

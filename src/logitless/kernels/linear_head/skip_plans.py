@@ -26,6 +26,7 @@ class SkipPlan(NamedTuple):
     pre_n: torch.Tensor  # (n_blocks, n_vtiles + 1) int32: hot tiles of the block before each tile
     list_v: torch.Tensor  # (n_vtiles, n_blocks) int32: per tile, its hot token blocks first, ascending
     pre_v: torch.Tensor  # (n_vtiles, n_blocks + 1) int32: hot blocks of the tile before each block
+    pairs: torch.Tensor  # (n_vtiles + 1,) int32: hot pairs of the tiles before each tile; pairs[-1]: all of them
     # (N,) float32: bound on each row's skipped probability mass (0 where A = 0); computed only for those who read
     # it (Tuning.debug_plans set: tests, tools), None otherwise (an N x V/256 pass the backward does not need).
     row_bound: torch.Tensor | None
@@ -151,7 +152,12 @@ def _kernel_plan(tile_lse, m, logs, A, B, target, perm, V, threshold, block_n, b
     row_bound = None
     if current_tuning().debug_plans is not None:
         row_bound = _row_bound(torch.where((budget > 0)[:, None], _tile_mass(u, lse), 0.0), hot == 0, rows, block_n)
-    return SkipPlan(hot, list_n, pre_n, list_v, pre_v, row_bound, rows)
+    return SkipPlan(hot, list_n, pre_n, list_v, pre_v, _pairs(pre_v), row_bound, rows)
+
+
+def _pairs(pre_v: torch.Tensor) -> torch.Tensor:
+    # SkipPlan.pairs from the per-tile prefix counts: each tile's hot blocks are its last prefix count.
+    return torch.nn.functional.pad(pre_v[:, -1].cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def _row_bound(bound: torch.Tensor, cold: torch.Tensor, rows: torch.Tensor | None, block_n: int) -> torch.Tensor:
@@ -193,12 +199,14 @@ def cold_pairs(q: torch.Tensor, block_n: int, group_rows: bool = True, bound: to
     row_bound = None if bound is None else _row_bound(bound, cold, rows, block_n)
     cold_i, cold_t = cold.to(torch.int32), cold.t().contiguous().to(torch.int32)
     pad = torch.nn.functional.pad
+    pre_v = pad((1 - cold_t).cumsum(1, dtype=torch.int32), (1, 0)).contiguous()
     return SkipPlan(
         hot.to(torch.uint8).contiguous(),
         torch.sort(cold_i, dim=1, stable=True).indices.to(torch.int32).contiguous(),
         pad(hot.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
         torch.sort(cold_t, dim=1, stable=True).indices.to(torch.int32).contiguous(),
-        pad((1 - cold_t).cumsum(1, dtype=torch.int32), (1, 0)).contiguous(),
+        pre_v,
+        _pairs(pre_v),
         row_bound,
         rows,
     )
