@@ -12,7 +12,7 @@ and its launcher (tensor-descriptor packing and the driver call) timed per kerne
 tensor descriptors, and the package's functions (WRAPPED), each with its own time.
 
     PYTHONPATH=src python3 tools/gpu_host.py [--shapes 4096,2048,32000;8192,896,151936] [--reps 20] [--cprofile]
-        [--breakdown] [--data uniform|lm] [--skips auto,none] [--entropy]
+        [--breakdown] [--data uniform|lm] [--skips auto,none] [--entropy] [--tune fast_launch=0 --tune '' --rounds 3]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ WRAPPED = (
     "kernels.linear_head.launch:_Backward.run", "kernels.linear_head.launch:_Backward.dz_pass",
     "kernels.linear_head.launch:_Backward.grad_pass", "kernels.linear_head.plans:_plan",
     "kernels.linear_head.plans:_first_pass", "kernels.linear_head.plans:_workspace",
-    "kernels.linear_head.configs:descriptor",
+    "kernels.linear_head.configs:descriptor", "kernels._launch:launch",
 )
 
 
@@ -213,18 +213,35 @@ def main():
                     "(auto, none, or a float)")
     ap.add_argument("--entropy", action="store_true", help="the no-grad log-probs also return the entropy")
     ap.add_argument("--data-file", default=None, help="a prepared real head (--data real, real-sorted)")
+    ap.add_argument("--tune", action="append", default=None,
+                    help="Tuning fields (k=v,k=v) of one variant; repeat for an A/B, measured in --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    from logitless import kernels
+
+    def value(text):
+        if text.lstrip("-").isdigit():
+            return int(text)
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    tunes = [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.tune or [""]]
     skips = tuple(s if s in ("auto", "none") else float(s) for s in args.skips.split(","))
     variants = functools.partial(calls, kind=args.data, skips=skips, entropy=args.entropy,
                                  data_file=args.data_file)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| shape | call | gpu ms | free ms | host ms | launches |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("| shape | call | tuning | gpu ms | free ms | host ms | launches |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for spec in args.shapes.split(";"):
         N, D, V = (int(s) for s in spec.split(","))
         for name, fn in variants(N, D, V).items():
-            gpu, free, host, launches = measure(fn, args.reps)
-            print(f"| {N}, {D}, {V} | {name} | {gpu:.3f} | {free:.3f} | {host:.3f} | {launches} |", flush=True)
+            for _ in range(args.rounds):
+                for tune in tunes:
+                    with kernels.tuning(**tune):
+                        gpu, free, host, launches = measure(fn, args.reps)
+                    print(f"| {N}, {D}, {V} | {name} | {tune or 'default'} | {gpu:.3f} | {free:.3f} | {host:.3f} | "
+                          f"{launches} |", flush=True)
         if args.breakdown:
             for name, fn in variants(N, D, V).items():
                 print(f"\n## host time by place, {N}, {D}, {V}, {name}\n")

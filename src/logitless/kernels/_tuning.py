@@ -24,6 +24,9 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
+    # Launches of a specialization seen before go straight to the compiled kernel, past Triton's argument binding
+    # (kernels/_launch.py); off, every launch goes through Triton's JIT.
+    fast_launch: bool = True
     # --- the linear-head kernels (kernels/linear_head)
     # Tiles for every launch instead of the device's own (a linear_head Config); None: the device's.
     linear_config: Any = None

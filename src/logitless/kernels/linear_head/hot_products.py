@@ -3,6 +3,7 @@ that writes the dz of those pairs alone (the two-head losses'): one _dgrad_kerne
 as the linear head's skipping backward, without its split reductions or a vocabulary order."""
 
 from .._common import cdiv
+from .._launch import launch
 from .._tuning import current_tuning
 from . import backward_kernels as bk
 from .configs import Config, dot_flags
@@ -22,7 +23,7 @@ def hot_products(dz, x, wc, dw_rows, dx_acc, accumulate: bool, sp: SkipPlan, cfg
     n_dw = n_out if do_dw else 0
     n_dx = cdiv(N, cfg.block_m) * cdiv(D, cfg.dx_d) if do_dx else 0
     n_blocks, n_vtiles = sp.hot.shape
-    bk._dgrad_kernel[(n_dw + n_dx,)](
+    launch(bk._dgrad_kernel, (n_dw + n_dx,),
         dz, x, wc, dw_rows, dx_acc, None, sp.list_n, sp.pre_n, sp.list_v, sp.pre_v, None, None,
         None, None, None, None,
         N, D, rows, n_dw, N, n_out, n_blocks, n_vtiles, v0 // cfg.block_v, cdiv(v1, cfg.block_v),

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from .._common import INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
+from .._launch import launch
 from .._tuning import current_tuning
 from . import backward_kernels as bk
 from . import configs, plans, products
@@ -65,7 +66,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         if stash_tma:
             zs = configs.descriptor(zs, [cfg.block_v, cfg.block_n])
     fusion = current_tuning().fwd_fp_fusion  # off: values independent of the optional outputs (Tuning)
-    _fwd_kernel[(n_blocks * n_splits,)](
+    launch(_fwd_kernel, (n_blocks * n_splits,),
         xo, wo, b, target, class_w, perm,
         part[0], part[1], part[2], part[3], part[4], wsum, tile_lse, zs, zo, part[5],
         N, V, D, n_big, chunks_big, n_small, chunks_small, n_vtiles, n_stash,
@@ -80,7 +81,7 @@ def forward_stats(x, w, b, target, class_w, *, softcap, inv_temp, want_smooth, w
         num_stages=cfg.fwd_stages, enable_fp_fusion=fusion,
     )
     block = 256 if x.device.type == "cuda" else 32
-    _combine_kernel[(cdiv(N, block),)](
+    launch(_combine_kernel, (cdiv(N, block),),
         part[0], part[1], part[2], part[3], part[4], wsum, part[5],
         outs[0], outs[1], outs[2], outs[3], outs[4], mu_rest[0] if has_rest and want_entropy else None,
         mu_rest[1] if has_rest else None,
@@ -364,7 +365,7 @@ class _Backward:
         if self.rec is not None:
             self.rec.dz.append(DzLaunch(v0, v1, n_progs, bv, stashed, bool(persistent or hot_list), bool(persistent),
                                         self.skip))
-        bk._dz_kernel[(n_progs,)](
+        launch(bk._dz_kernel, (n_progs,),
             ox, ow, b, target, class_w, self.perm, self.m, self.logs, self.A, B, C, E,
             self.sp.hot if self.skip else None, dz, dz_desc, dbp, zs, zo, self.At,
             self.sp.list_v if hot_list else None, self.pairs, N, self.D, v0, v1, self.n_vtiles, n_progs,
@@ -461,7 +462,7 @@ class _Backward:
         if self.rec is not None:
             self.rec.products.append(ProductsCall(v0, v1, do_dw, do_dx, False, products.Fp32Reductions.active(), rows,
                                                   dz.stride(), k_per_split, splits, storage_address(part)))
-        bk._dgrad_kernel[(n_dw_tiles + n_dx_tiles * split,)](
+        launch(bk._dgrad_kernel, (n_dw_tiles + n_dx_tiles * split,),
             dz, x, wv, dw_out, dx_acc,
             None if perm is None else perm[v0:], *self.lists, self.dx_part if split > 1 else None,
             self.dx_deal if split > 1 else None, *descs,
@@ -483,6 +484,6 @@ class _Backward:
 
         if part is not None:
             n = rows * D
-            bk._sum_splits_kernel[(cdiv(n, 1024),)](part, dw if has_perm else dw[v0:v1],
-                                                    None if perm is None else perm[v0:], n, splits, D,
-                                                    SCATTER=has_perm, BLOCK=1024, UPCAST=self.dot["UPCAST"])
+            launch(bk._sum_splits_kernel, (cdiv(n, 1024),), part, dw if has_perm else dw[v0:v1],
+                   None if perm is None else perm[v0:], n, splits, D, SCATTER=has_perm, BLOCK=1024,
+                   UPCAST=self.dot["UPCAST"])

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv
+from .._launch import launch
 
 
 @triton.jit
@@ -255,14 +256,14 @@ def row_vectors(m, logs, A, B, target, tgt, V: int, threshold: float, block_v: i
     vec = torch.empty((6, N), dtype=torch.float32, device=dev)
     part = torch.empty((2, n_parts), dtype=torch.float32, device=dev) if shared else None
     out_tgt = torch.empty(N, dtype=torch.int32, device=dev) if tgt is None else tgt
-    _row_prep_kernel[(n_parts,)](
+    launch(_row_prep_kernel, (n_parts,),
         m, logs, A, B, target, vec, part, out_tgt, N, V, n_parts, float(threshold), m.stride(0), logs.stride(0),
         A.stride(0), 0 if B is None else B.stride(0), 0 if target is None else target.stride(0), BLOCK_V=block_v,
         HAS_B=B is not None, HAS_TARGET=target is not None, WRITE_TGT=tgt is None, SHARED=shared, BLOCK=block,
         num_warps=4)
     if shared:
-        _shared_budget_kernel[(n_parts,)](vec, part, N, n_parts, float(-threshold), BLOCK=block,
-                                          PARTS=min(256, triton.next_power_of_2(n_parts)), num_warps=4)
+        launch(_shared_budget_kernel, (n_parts,), vec, part, N, n_parts, float(-threshold), BLOCK=block,
+               PARTS=min(256, triton.next_power_of_2(n_parts)), num_warps=4)
     return vec[0], vec[1], (vec[2] if B is not None else None), vec[3], out_tgt
 
 
@@ -271,7 +272,7 @@ def hot_counts(u, lse, abs_a, abs_b, budget, tgt, hot: float, widen: float, log_
     N, T = u.shape
     count = torch.empty(N, dtype=torch.int32, device=u.device)
     rows, cols = 16, 128
-    _hot_count_kernel[(cdiv(N, rows),)](
+    launch(_hot_count_kernel, (cdiv(N, rows),),
         u, lse, abs_a, abs_b if abs_b is not None else abs_a, budget, tgt, count, N, T, u.stride(0),
         HOT=hot, WIDEN=widen, LOG_BV=log_bv, HAS_B=abs_b is not None, ROWS=rows, COLS=cols, num_warps=4)
     return count
@@ -291,11 +292,12 @@ def block_plan(u, lse, abs_a, abs_b, budget, tgt, rows, block_n: int, limit: flo
     list_v = torch.empty(T, n_blocks, dtype=torch.int32, device=dev)
     pre_v = torch.empty(T, n_blocks + 1, dtype=torch.int32, device=dev)
     sub = max(1, min(block_n, 8192 // t_pow2))
-    _cold_kernel[(n_blocks,)](
+    launch(_cold_kernel, (n_blocks,),
         u, lse, abs_a, abs_b if abs_b is not None else abs_a, budget, tgt, rows if rows is not None else tgt,
         order, rank, hot, list_n, pre_n, N, T, u.stride(0),
         LIMIT=limit, WIDEN=widen, LOG_BV=log_bv, HAS_B=abs_b is not None, HAS_ROWS=rows is not None,
         BLOCK_N=block_n, T_POW2=t_pow2, SUB=sub, COLS=64, num_warps=8)
     tiles = 64
-    _tile_lists_kernel[(cdiv(T, tiles),)](hot, list_v, pre_v, n_blocks, T, TILES=tiles, BLOCKS=32, num_warps=4)
+    launch(_tile_lists_kernel, (cdiv(T, tiles),), hot, list_v, pre_v, n_blocks, T, TILES=tiles, BLOCKS=32,
+           num_warps=4)
     return hot, list_n, pre_n, list_v, pre_v

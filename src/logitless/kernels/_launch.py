@@ -1,0 +1,121 @@
+"""Kernel launches that skip Triton's argument binding when a launch repeats a specialization seen before.
+
+Triton's JIT entry binds every argument of every launch, specializes it (pointer alignment, integers equal to 1 or
+divisible by 16, the constexprs) and builds a cache key from the result before it finds the compiled kernel: tens of
+microseconds for kernels of 50-90 parameters like ours, which a small head's step pays for each of its launches
+while the GPU waits on the host (docs/design/host_time.md). `launch(fn, grid, *args, **constexprs)` keys the
+compiled kernel by a cheap description of the same facts instead, made only of what Triton's specialization can
+depend on:
+
+- a tensor: its dtype and whether its address is 16-byte aligned;
+- an integer: whether it is 1, whether it is divisible by 16, and its width (32, 64 bits or unsigned);
+- a float: nothing (Triton passes floats unspecialized);
+- a host tensor descriptor: its base's dtype and alignment, its shape, strides, block shape and padding, in full;
+- None, bools and every keyword argument (constexprs and launch options): their values.
+
+The first launch of a key goes through Triton's JIT (which compiles or finds the kernel and returns it); later ones
+call the compiled kernel with the arguments in the kernel's parameter order, as the JIT itself does (the compiled
+kernel's own launch also computes the launch metadata and calls the launch hooks that profilers install). A key is
+never coarser than Triton's specialization, so a cached kernel is the one the JIT would pick.
+
+The JIT is used for every launch under the interpreter, for values this cannot describe (a runtime argument of
+another type, a keyword value that is not plain), and where Tuning.fast_launch is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .._dispatch import interpreter_enabled
+from ._tuning import current_tuning
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: no host descriptors
+    TensorDescriptor = None
+
+_PLAIN = (bool, int, float, str, type(None))
+_cache: dict = {}
+# Distinct keys kept: a step has a few dozen (kernel, specialization) pairs; the bound only guards against a
+# caller whose shapes never repeat.
+_MAX_KEYS = 4096
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _feature(v):
+    t = type(v)
+    if t is int:
+        return (v == 1, v % 16 == 0, v >= 2 ** 31 or v < -2 ** 31, v >= 2 ** 63)
+    if t is float:
+        return 0.0
+    if v is None or t is bool:
+        return v
+    if t is torch.Tensor or isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if TensorDescriptor is not None and t is TensorDescriptor:
+        return (v.base.dtype, v.base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides), tuple(v.block_shape),
+                getattr(v, "padding", None), getattr(v, "round_f32_to_tf32", None))
+    raise _NotPlain
+
+
+@functools.cache
+def _enabled_here() -> bool:
+    """Compiled launches exist (not the interpreter) and this Triton's JIT passes every parameter, constexprs
+    included, to the compiled kernel in parameter order (Triton >= 3.3; older releases passed a subset)."""
+    if interpreter_enabled():
+        return False
+    try:
+        import triton
+
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except Exception:  # noqa: BLE001 - no Triton, or a version string this cannot read: the JIT path
+        return False
+    return (major, minor) >= (3, 3)
+
+
+@functools.cache
+def _params(fn) -> tuple[tuple[str, ...], dict]:
+    """The kernel's parameter names in order, and the defaults of those that have one."""
+    sig = inspect.signature(fn.fn)
+    names = tuple(sig.parameters)
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    return names, defaults
+
+
+def key_of(fn, args: tuple, kwargs: dict, device: int = -1):
+    """The cache key of a launch on `device`, or None where the launch must go through the JIT (a value this cannot
+    describe)."""
+    try:
+        feats = tuple(map(_feature, args))
+    except _NotPlain:
+        return None
+    kw = tuple(kwargs.items())
+    for _, v in kw:
+        if type(v) not in _PLAIN:
+            return None
+    return fn, device, feats, kw
+
+
+def launch(fn, grid: tuple, *args, **kwargs) -> None:
+    """fn[grid](*args, **kwargs), through the compiled kernel where this specialization was launched before (the
+    module docstring). Arguments of the kernel's signature after the positional ones are passed by keyword."""
+    if not (_enabled_here() and current_tuning().fast_launch):
+        fn[grid](*args, **kwargs)
+        return
+    key = key_of(fn, args, kwargs, torch.cuda.current_device())
+    kernel = None if key is None else _cache.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **kwargs)
+        if key is not None and kernel is not None and len(_cache) < _MAX_KEYS:
+            _cache[key] = kernel
+        return
+    names, defaults = _params(fn)
+    rest = [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):]]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    kernel[g](*args, *rest)

@@ -1,0 +1,144 @@
+"""kernels/_launch.py: launches that repeat a specialization go to the compiled kernel, others through the JIT.
+
+On a CPU there are no compiled kernels: a stand-in JIT function records which path each launch took and what the
+compiled kernel received. On a GPU (`gpu` marker) the real backward's launches are compared with the JIT's, bit for
+bit."""
+
+import pytest
+import torch
+
+from logitless.kernels import _launch
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("compiled", grid, args))
+
+
+class _Jit:
+    """A JIT function's interface as _launch uses it: .fn (the Python function), [grid](*args, **kwargs) -> the
+    compiled kernel."""
+
+    def __init__(self):
+        self.log = []
+
+        def kernel(a, n, f, desc_or_none, FLAG, SIZE, EXTRA=7):
+            pass
+        self.fn = kernel
+        self.compiled = _Compiled(self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(_launch, "_enabled_here", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_cache", {})
+
+
+def _paths(fn):
+    return [entry[0] for entry in fn.log]
+
+
+def test_repeat_goes_to_the_compiled_kernel_in_parameter_order(fast):
+    fn = _Jit()
+    a = torch.zeros(64)
+    _launch.launch(fn, (3,), a, 32, 0.5, None, FLAG=True, SIZE=16, num_warps=4)
+    _launch.launch(fn, (5,), a[16:], 48, 1.5, None, FLAG=True, SIZE=16, num_warps=4)
+    assert _paths(fn) == ["jit", "compiled"]
+    # every parameter in order, the keyword ones and the default included; options (num_warps) left out; the grid
+    # padded to three dimensions
+    assert fn.log[1][1] == (5, 1, 1)
+    args = fn.log[1][2]
+    assert args[0].data_ptr() == a[16:].data_ptr() and args[1:] == (48, 1.5, None, True, 16, 7)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "int_one", "int_not_div16", "int_wide", "dtype", "constexpr",
+                                    "option", "none_to_tensor"])
+def test_a_new_specialization_goes_through_the_jit(fast, change):
+    fn = _Jit()
+    a = torch.zeros(64)
+    base = dict(args=[a, 32, 0.5, None], kw=dict(FLAG=True, SIZE=16, num_warps=4))
+    _launch.launch(fn, (1,), *base["args"], **base["kw"])
+    args, kw = list(base["args"]), dict(base["kw"])
+    if change == "misaligned":
+        args[0] = a[1:]
+    elif change == "int_one":
+        args[1] = 1
+    elif change == "int_not_div16":
+        args[1] = 33
+    elif change == "int_wide":
+        args[1] = 2 ** 33
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "constexpr":
+        kw["SIZE"] = 32
+    elif change == "option":
+        kw["num_warps"] = 8
+    elif change == "none_to_tensor":
+        args[3] = a
+    _launch.launch(fn, (1,), *args, **kw)
+    assert _paths(fn) == ["jit", "jit"]
+    _launch.launch(fn, (1,), *args, **kw)  # the new specialization is cached in its turn
+    assert _paths(fn) == ["jit", "jit", "compiled"]
+
+
+def test_values_it_cannot_describe_always_go_through_the_jit(fast):
+    fn = _Jit()
+    a = torch.zeros(64)
+    for _ in range(2):
+        _launch.launch(fn, (1,), a, 32, 0.5, object(), FLAG=True, SIZE=16)  # a runtime argument of unknown type
+        _launch.launch(fn, (1,), a, 32, 0.5, None, FLAG=a, SIZE=16)  # a keyword that is not a plain value
+    assert _paths(fn) == ["jit"] * 4
+    assert _launch._cache == {}
+
+
+def test_off_by_tuning_and_under_the_interpreter(fast, tune):
+    fn = _Jit()
+    a = torch.zeros(64)
+    tune(fast_launch=False)
+    for _ in range(2):
+        _launch.launch(fn, (1,), a, 32, 0.5, None, FLAG=True, SIZE=16)
+    assert _paths(fn) == ["jit", "jit"]
+
+
+def test_interpreter_disables_it():
+    from logitless._dispatch import interpreter_enabled
+
+    if interpreter_enabled():
+        assert not _launch._enabled_here()
+
+
+@pytest.mark.gpu
+def test_backward_bitwise_equal_with_and_without(tune):
+    import logitless
+
+    torch.manual_seed(0)
+    N, D, V = 1000, 640, 50000
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, D, device="cuda") * 0.05).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    t[::7] = -100
+    out = {}
+    for fast_launch in (False, True, True):
+        tune(fast_launch=fast_launch)
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        for skip in (None, 1e-4):
+            loss = logitless.linear_cross_entropy(xs, ws, t, skip_threshold=skip)
+            loss.backward()
+            out.setdefault((fast_launch, skip), []).append((loss.detach(), xs.grad.clone(), ws.grad.clone()))
+            xs.grad = ws.grad = None
+    assert _launch._cache, "no launch was cached"
+    for skip in (None, 1e-4):
+        ref = out[(False, skip)][0]
+        for got in out[(True, skip)]:
+            for r, g in zip(ref, got, strict=True):
+                assert torch.equal(r, g)
