@@ -8,6 +8,7 @@ import torch
 import triton
 
 from .._common import cdiv
+from .._launch import launch
 from .._tuning import current_tuning
 from .configs import Config, default_config, inplace_lag_bytes, num_sms
 from .kernels import _ce_bwd_kernel, _ce_fwd_kernel, _ce_scale_kernel
@@ -71,7 +72,7 @@ def cross_entropy_fwd(logits, target, class_w, w_sum, scale, *, ignore_index: in
     else:
         part = None
     count = torch.zeros(n_blocks, device=dev, dtype=torch.int32) if split or lagged else None
-    _ce_fwd_kernel[(n_units + lag,)](
+    launch(_ce_fwd_kernel, (n_units + lag,),
         logits, target, class_w, w_sum, scale,
         loss, lse, stats, part, count,
         N, V, K, n_units, lag, logits.stride(0),
@@ -103,7 +104,7 @@ def cross_entropy_bwd(grad, logits, target, class_w, w_sum, scale, stats, out, *
         return out
     cfg = config or default_config(N, V, logits.device)
     grid = (cdiv(N, cfg.block_n), cdiv(V, cfg.block_v))
-    _ce_bwd_kernel[grid](
+    launch(_ce_bwd_kernel, grid,
         grad, logits, out, target, class_w, w_sum, scale, stats,
         N, V, logits.stride(0), out.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else 1.0,
@@ -126,7 +127,7 @@ def scale_rows_(buf, grad, config: Config | None = None):
     n_row_blocks = cdiv(N, cfg.block_n)
     # A few programs per SM, each looping over row blocks: when nothing is to be scaled the launch costs microseconds.
     grid = (min(n_row_blocks, 8 * num_sms(buf.device)),)
-    _ce_scale_kernel[grid](
+    launch(_ce_scale_kernel, grid,
         buf, grad, N, V, buf.stride(0), n_row_blocks,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, GRAD_PER_ROW=grad.dim() == 1,
         INTERPRET=_interpreting(buf), num_warps=cfg.num_warps,

@@ -11,6 +11,7 @@ import torch
 
 from ...loss_math import log_ratio, move_t
 from .._common import INTERPRETER_SMS_BACKWARD, INTERPRETER_SMS_FORWARD, cdiv, gradient_buffers, new_buffer, num_sms
+from .._launch import launch
 from .._tuning import current_tuning
 from ..linear_head import (
     MM_OUT_DTYPE,
@@ -119,10 +120,9 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp, tile
     # in the two passes (float32 sums of another order: 1e-5 at |z| ~ 300) would survive the cancellation.)
     if tiles is not None:
         assert tiles.shape == (3, N, n_vtiles) and tiles.dtype == torch.float32 and tiles.is_contiguous()
-    _two_fwd_kernel[grid](*args, None, part, tiles, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
-                          MODE=0, WEIGHT_S=kind in ("rkl", "jsd"), HAS_ENT=kind == "ce", HAS_D=kind != "jsd",
-                          HAS_REF=True, HAS_T=want_t, RECORD_TILES=tiles is not None,
-                          EVEN_V=V % cfg.block_v == 0, **meta)
+    launch(_two_fwd_kernel, grid, *args, None, part, tiles, N, V, Ds, xt.shape[1], n_splits, per, *strides, *opts,
+           MODE=0, WEIGHT_S=kind in ("rkl", "jsd"), HAS_ENT=kind == "ce", HAS_D=kind != "jsd", HAS_REF=True,
+           HAS_T=want_t, RECORD_TILES=tiles is not None, EVEN_V=V % cfg.block_v == 0, **meta)
     # Merge the splits: every partial moved to the row's overall maxima.
     m_s, s_s, m_t, s_t, ent, d_a, zr, t_a = part.unbind(0)
     big_s, big_t = m_s.amax(0), m_t.amax(0)
@@ -146,11 +146,9 @@ def forward_stats(xs, ws, bs, xt, wt, bt, *, kind, beta, softcap, inv_temp, tile
     part2 = new_buffer((3, n_splits, N), **f32)
     dl = torch.log(S_s / S_t)  # logs_s - logs_t without the log-sums' own roundings
     u_ref = (zr_row - big_t) + dl  # log p_t - log p_s at the student's argmax, as the kernels form it per class
-    _two_fwd_kernel[grid](*args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, None, N, V, Ds,
-                          xt.shape[1],
-                          n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
-                          HAS_REF=False, HAS_T=False, RECORD_TILES=False,
-                          EVEN_V=V % cfg.block_v == 0, **meta)
+    launch(_two_fwd_kernel, grid, *args, torch.stack([big_s, logs_s, big_t, logs_t, dl, u_ref]), part2, None, N, V,
+           Ds, xt.shape[1], n_splits, per, *strides, *opts, MODE=2, WEIGHT_S=False, HAS_ENT=False, HAS_D=False,
+           HAS_REF=False, HAS_T=False, RECORD_TILES=False, EVEN_V=V % cfg.block_v == 0, **meta)
     kt, ks = part2[:2].sum(1).unbind(0)
     # RowStats.dl is logs_b - logs_a with a = the student here; row_loss negates it back (exactly). d_ref: the
     # kernel's own log p_s - log M at the student's argmax, which ks is relative to (every split wrote it).
@@ -217,7 +215,7 @@ def backward(xs, ws, bs, xt, wt, bt, m_s, logs_s, m_t, logs_t, R, g, *, kind, be
         n_progs = min(n_tiles, num_sms(xs.device, INTERPRETER_SMS_BACKWARD)) if persistent else n_tiles
         if rec is not None:
             rec.dz.append(DzLaunch(v0, v1, n_progs, cfg.block_v, False, bool(persistent), bool(dz_tma), skip))
-        _two_dz_kernel[(n_progs,)](
+        launch(_two_dz_kernel, (n_progs,),
             *args, stats, R, g, dz_arg, dbp, sp.hot if skip else None,
             N, D, xt.shape[1], v0, v1, n_progs, sp.hot.shape[1] if skip else 0, *strides, dz.stride(0) if store else 0,
             dbp.stride(0) if with_db else 0, float(softcap or 1.0), float(inv_temp), *beta_args, scale,
