@@ -37,11 +37,19 @@ class _Jit:
         return run
 
 
+class _Launcher:
+    """launch_cached with a cache of its own, as launch runs it where compiled kernels exist."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def launch(self, fn, grid, *args, **kwargs):
+        _launch.launch_cached(self.cache, 0, fn, grid, args, kwargs)
+
+
 @pytest.fixture
-def fast(monkeypatch):
-    monkeypatch.setattr(_launch, "_enabled_here", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_launch, "_cache", {})
+def fast():
+    return _Launcher()
 
 
 def _paths(fn):
@@ -51,8 +59,8 @@ def _paths(fn):
 def test_repeat_goes_to_the_compiled_kernel_in_parameter_order(fast):
     fn = _Jit()
     a = torch.zeros(64)
-    _launch.launch(fn, (3,), a, 32, 0.5, None, FLAG=True, SIZE=16, num_warps=4)
-    _launch.launch(fn, (5,), a[16:], 48, 1.5, None, FLAG=True, SIZE=16, num_warps=4)
+    fast.launch(fn, (3,), a, 32, 0.5, None, FLAG=True, SIZE=16, num_warps=4)
+    fast.launch(fn, (5,), a[16:], 48, 1.5, None, FLAG=True, SIZE=16, num_warps=4)
     assert _paths(fn) == ["jit", "compiled"]
     # every parameter in order, the keyword ones and the default included; options (num_warps) left out; the grid
     # padded to three dimensions
@@ -67,7 +75,7 @@ def test_a_new_specialization_goes_through_the_jit(fast, change):
     fn = _Jit()
     a = torch.zeros(64)
     base = dict(args=[a, 32, 0.5, None], kw=dict(FLAG=True, SIZE=16, num_warps=4))
-    _launch.launch(fn, (1,), *base["args"], **base["kw"])
+    fast.launch(fn, (1,), *base["args"], **base["kw"])
     args, kw = list(base["args"]), dict(base["kw"])
     if change == "misaligned":
         args[0] = a[1:]
@@ -85,9 +93,9 @@ def test_a_new_specialization_goes_through_the_jit(fast, change):
         kw["num_warps"] = 8
     elif change == "none_to_tensor":
         args[3] = a
-    _launch.launch(fn, (1,), *args, **kw)
+    fast.launch(fn, (1,), *args, **kw)
     assert _paths(fn) == ["jit", "jit"]
-    _launch.launch(fn, (1,), *args, **kw)  # the new specialization is cached in its turn
+    fast.launch(fn, (1,), *args, **kw)  # the new specialization is cached in its turn
     assert _paths(fn) == ["jit", "jit", "compiled"]
 
 
@@ -95,26 +103,22 @@ def test_values_it_cannot_describe_always_go_through_the_jit(fast):
     fn = _Jit()
     a = torch.zeros(64)
     for _ in range(2):
-        _launch.launch(fn, (1,), a, 32, 0.5, object(), FLAG=True, SIZE=16)  # a runtime argument of unknown type
-        _launch.launch(fn, (1,), a, 32, 0.5, None, FLAG=a, SIZE=16)  # a keyword that is not a plain value
+        fast.launch(fn, (1,), a, 32, 0.5, object(), FLAG=True, SIZE=16)  # a runtime argument of unknown type
+        fast.launch(fn, (1,), a, 32, 0.5, None, FLAG=a, SIZE=16)  # a keyword that is not a plain value
     assert _paths(fn) == ["jit"] * 4
-    assert _launch._cache == {}
+    assert fast.cache == {}
 
 
-def test_off_by_tuning_and_under_the_interpreter(fast, tune):
+def test_the_jit_alone_under_the_interpreter_or_when_tuned_off(tune):
+    from logitless._dispatch import interpreter_enabled
+
     fn = _Jit()
     a = torch.zeros(64)
-    tune(fast_launch=False)
+    if not interpreter_enabled():
+        tune(fast_launch=False)
     for _ in range(2):
         _launch.launch(fn, (1,), a, 32, 0.5, None, FLAG=True, SIZE=16)
     assert _paths(fn) == ["jit", "jit"]
-
-
-def test_interpreter_disables_it():
-    from logitless._dispatch import interpreter_enabled
-
-    if interpreter_enabled():
-        assert not _launch._enabled_here()
 
 
 @pytest.mark.gpu

@@ -108,12 +108,18 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
     if not (_enabled_here() and current_tuning().fast_launch):
         fn[grid](*args, **kwargs)
         return
-    key = key_of(fn, args, kwargs, torch.cuda.current_device())
-    kernel = None if key is None else _cache.get(key)
+    launch_cached(_cache, torch.cuda.current_device(), fn, grid, args, kwargs)
+
+
+def launch_cached(cache: dict, device: int, fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """launch where compiled kernels exist, with its cache and the current device given: the first launch of a key
+    through fn's JIT (which returns the compiled kernel, kept in `cache`), a repeat through the compiled kernel."""
+    key = key_of(fn, args, kwargs, device)
+    kernel = None if key is None else cache.get(key)
     if kernel is None:
         kernel = fn[grid](*args, **kwargs)
-        if key is not None and kernel is not None and len(_cache) < _MAX_KEYS:
-            _cache[key] = kernel
+        if key is not None and kernel is not None and len(cache) < _MAX_KEYS:
+            cache[key] = kernel
         return
     names, defaults = _params(fn)
     rest = [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):]]
