@@ -18,6 +18,7 @@ each program's span of hot steps (first to last hot tile or block) instead of a 
 
     PYTHONPATH=src python tools/cpu_hot_map.py --data-file FILE [--n 8192] [--d 640,2304] [--order mass,id]
         [--sms 132] [--unit 1] [--targets kept,correction] [--variant chunk=262144,dx_split=4 ...]
+        [--per-chunk 32768]
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def main() -> int:
                     "accumulator read and written or its output stored, the pipeline's fill), deal (always, or "
                     "makespan: per chunk, where its longest dx tile is longer than the even share of its work); "
                     "default: the kernels' (chunk=32768,dx_split=1,fixed_dx=12,fixed_dw=5)")
+    ap.add_argument("--per-chunk", type=int, default=0, metavar="CLASSES",
+                    help="also list, per range of CLASSES classes, the hot pairs and the share of token blocks with "
+                         "no hot tile there (whose dx tiles a chunk's products neither read nor write)")
     args = ap.parse_args()
     variants = [(v, _variant(v)) for v in (args.variant or [""])]
     src = data.real_source(262144, args.data_file)
@@ -156,6 +160,12 @@ def main() -> int:
             sp = plans.skip_plan(tiles, m, logs, A, head.target if forced else None, None, V,
                                  -AUTO_SKIP_UNIT[torch.bfloat16] * args.unit, BLOCK_N, BLOCK_V, True)
             share = sp.hot.float().mean().item()
+            if args.per_chunk:
+                per = args.per_chunk // BLOCK_V
+                for c in range(0, sp.hot.shape[1], per):
+                    hb = sp.hot[:, c:c + per].bool()
+                    print(f"  {order}, classes {c * BLOCK_V}-{(c + hb.shape[1]) * BLOCK_V}: {int(hb.sum())} hot pairs, "
+                          f"{(hb.sum(1) == 0).float().mean().item():.0%} of the token blocks with none")
             for name, v in variants:
                 for D in (int(d) for d in args.d.split(",")):
                     # the reference: the dense products in the kernels' chunks, with the kernels' fixed costs

@@ -329,6 +329,8 @@ def _dx_tile(
         dense = s_hi - s_lo == tile1 - tile0
         if not dense:
             n_steps = (s_hi - s_lo) * (MAP_V // BLOCK_K)
+        if ACCUMULATE:  # no hot tile of the block in the chunk: the accumulator's tile is neither read nor written
+            ok = ok & (offs_m[:, None] * 0 + s_hi > s_lo)  # (a block mask: the interpreter's masks take no scalar)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if KSPLIT == 1:
         if ACCUMULATE:
