@@ -70,7 +70,7 @@ def test_repeat_goes_to_the_compiled_kernel_in_parameter_order(fast):
 
 
 @pytest.mark.parametrize("change", ["misaligned", "int_one", "int_not_div16", "int_wide", "dtype", "constexpr",
-                                    "option", "none_to_tensor"])
+                                    "constexpr_type", "option", "none_to_tensor"])
 def test_a_new_specialization_goes_through_the_jit(fast, change):
     fn = _Jit()
     a = torch.zeros(64)
@@ -89,6 +89,8 @@ def test_a_new_specialization_goes_through_the_jit(fast, change):
         args[0] = torch.zeros(64, dtype=torch.float16)
     elif change == "constexpr":
         kw["SIZE"] = 32
+    elif change == "constexpr_type":
+        kw["FLAG"] = 1  # equal to True as a value, not as a constexpr
     elif change == "option":
         kw["num_warps"] = 8
     elif change == "none_to_tensor":

@@ -11,7 +11,7 @@ depend on:
 - an integer: whether it is 1, whether it is divisible by 16, and its width (32, 64 bits or unsigned);
 - a float: nothing (Triton passes floats unspecialized);
 - a host tensor descriptor: its base's dtype and alignment, its shape, strides, block shape and padding, in full;
-- None, bools and every keyword argument (constexprs and launch options): their values.
+- None, bools and every keyword argument (constexprs and launch options): their values and types.
 
 The first launch of a key goes through Triton's JIT (which compiles or finds the kernel and returns it); later ones
 call the compiled kernel with the arguments in the kernel's parameter order, as the JIT itself does (the compiled
@@ -96,10 +96,11 @@ def key_of(fn, args: tuple, kwargs: dict, device: int = -1):
     except _NotPlain:
         return None
     kw = tuple(kwargs.items())
-    for _, v in kw:
-        if type(v) not in _PLAIN:
+    types = tuple(map(type, kwargs.values()))  # True and 1 are equal keys, not equal constexprs
+    for t in types:
+        if t not in _PLAIN:
             return None
-    return fn, device, feats, kw
+    return fn, device, feats, kw, types
 
 
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
