@@ -172,6 +172,7 @@ PINNED = {
         "(trainer, *, backend='auto', workspace_bytes=None, skip_threshold='auto', compact=True, strict=False)"
     ),
     "logitless.integrations.trl.unpatch": "(trainer)",
+    "logitless.kernels.Tuning.fast_launch": "True",
     "logitless.kernels.Tuning.linear_config": "None",
     "logitless.kernels.Tuning.scratch_bytes": "8388608",
     "logitless.kernels.Tuning.own_accumulator": "None",

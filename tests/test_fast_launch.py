@@ -111,13 +111,16 @@ def test_values_it_cannot_describe_always_go_through_the_jit(fast):
     assert fast.cache == {}
 
 
-def test_the_jit_alone_under_the_interpreter_or_when_tuned_off(tune):
+def test_the_jit_alone_for_interpreted_kernels_or_when_tuned_off(tune):
     from logitless._dispatch import interpreter_enabled
+    from logitless.kernels.linear_head import backward_kernels as bk
 
+    # The interpreter's kernels have no compiled launches (no device caches): launch hands them to the JIT.
+    assert hasattr(bk._dz_kernel, "device_caches") == (not interpreter_enabled())
     fn = _Jit()
+    fn.device_caches = {}  # a stand-in for a compiled JIT function
     a = torch.zeros(64)
-    if not interpreter_enabled():
-        tune(fast_launch=False)
+    tune(fast_launch=False)
     for _ in range(2):
         _launch.launch(fn, (1,), a, 32, 0.5, None, FLAG=True, SIZE=16)
     assert _paths(fn) == ["jit", "jit"]

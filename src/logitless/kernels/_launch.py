@@ -29,7 +29,6 @@ import inspect
 
 import torch
 
-from .._dispatch import interpreter_enabled
 from ._tuning import current_tuning
 
 try:
@@ -65,11 +64,9 @@ def _feature(v):
 
 
 @functools.cache
-def _enabled_here() -> bool:
-    """Compiled launches exist (not the interpreter) and this Triton's JIT passes every parameter, constexprs
-    included, to the compiled kernel in parameter order (Triton >= 3.3; older releases passed a subset)."""
-    if interpreter_enabled():
-        return False
+def _new_enough() -> bool:
+    """This Triton's JIT passes every parameter, constexprs included, to the compiled kernel in parameter order
+    (Triton >= 3.3; older releases passed a subset)."""
     try:
         import triton
 
@@ -106,7 +103,8 @@ def key_of(fn, args: tuple, kwargs: dict, device: int = -1):
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs), through the compiled kernel where this specialization was launched before (the
     module docstring). Arguments of the kernel's signature after the positional ones are passed by keyword."""
-    if not (_enabled_here() and current_tuning().fast_launch):
+    # (Only Triton's JIT functions have compiled kernels: the interpreter's run in Python, and have no device caches.)
+    if not (hasattr(fn, "device_caches") and _new_enough() and current_tuning().fast_launch):
         fn[grid](*args, **kwargs)
         return
     launch_cached(_cache, torch.cuda.current_device(), fn, grid, args, kwargs)
