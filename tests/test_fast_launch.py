@@ -101,6 +101,19 @@ def test_a_new_specialization_goes_through_the_jit(fast, change):
     assert _paths(fn) == ["jit", "jit", "compiled"]
 
 
+def test_descriptors_are_keyed_in_full(fast):
+    if _launch.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    desc = _launch.TensorDescriptor.from_tensor
+    a = torch.zeros(64, 64)
+    fn = _Jit()
+    for d in (desc(a[:32], [16, 16]), desc(a[32:], [16, 16]),  # another base, the same shape: a repeat
+              desc(a[:48], [16, 16]),  # another shape
+              desc(a[:32], [16, 32])):  # another block
+        fast.launch(fn, (1,), a, 32, 0.5, d, FLAG=True, SIZE=16)
+    assert _paths(fn) == ["jit", "compiled", "jit", "jit"]
+
+
 def test_values_it_cannot_describe_always_go_through_the_jit(fast):
     fn = _Jit()
     a = torch.zeros(64)
