@@ -22,6 +22,7 @@ import cProfile
 import functools
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -236,12 +237,19 @@ def main():
     for spec in args.shapes.split(";"):
         N, D, V = (int(s) for s in spec.split(","))
         for name, fn in variants(N, D, V).items():
+            seen = {}
             for _ in range(args.rounds):
                 for tune in tunes:
                     with kernels.tuning(**tune):
                         gpu, free, host, launches = measure(fn, args.reps)
+                    seen.setdefault(str(tune or "default"), []).append((gpu, free, host))
                     print(f"| {N}, {D}, {V} | {name} | {tune or 'default'} | {gpu:.3f} | {free:.3f} | {host:.3f} | "
                           f"{launches} |", flush=True)
+            if args.rounds > 1:
+                for tune, runs in seen.items():
+                    med = [statistics.median(r[i] for r in runs) for i in range(3)]
+                    print(f"| {N}, {D}, {V} | {name} | {tune}, median of {len(runs)} | {med[0]:.3f} | {med[1]:.3f} | "
+                          f"{med[2]:.3f} | |", flush=True)
         if args.breakdown:
             for name, fn in variants(N, D, V).items():
                 print(f"\n## host time by place, {N}, {D}, {V}, {name}\n")
