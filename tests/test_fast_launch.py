@@ -114,6 +114,28 @@ def test_descriptors_are_keyed_in_full(fast):
     assert _paths(fn) == ["jit", "compiled", "jit", "jit"]
 
 
+def test_keys_never_coarser_than_tritons_own_specialization():
+    # Any two runtime values with one key must get one specialization from Triton (where it exposes its own).
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError:
+        pytest.skip("this Triton does not expose its specialization")
+    a = torch.zeros(256)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2 ** 31 - 16, 2 ** 31, 2 ** 31 + 1, 2 ** 40, 2 ** 63, 2 ** 63 + 16,
+              0.0, 1.0, 2.5, True, False, None, a, a[1:], a[4:], a[8:], a.half(), a.half()[8:], a.to(torch.int32),
+              a.to(torch.int64)[2:]]
+    if _launch.TensorDescriptor is not None:
+        desc = _launch.TensorDescriptor.from_tensor
+        m = torch.zeros(64, 64)
+        values += [desc(m, [16, 16]), desc(m[:48], [16, 16]), desc(m, [16, 32]), desc(m.half(), [16, 16])]
+    for u in values:
+        for v in values:
+            if _launch._feature(u) == _launch._feature(v):
+                assert (native_specialize_impl(BaseBackend, u, False, True, True)
+                        == native_specialize_impl(BaseBackend, v, False, True, True)), (u, v)
+
+
 def test_values_it_cannot_describe_always_go_through_the_jit(fast):
     fn = _Jit()
     a = torch.zeros(64)

@@ -51,10 +51,13 @@ def _feature(v):
     t = type(v)
     if t is int:
         return (v == 1, v % 16 == 0, v >= 2 ** 31 or v < -2 ** 31, v >= 2 ** 63)
+    # (Each kind's features differ from every other kind's: 0.0 == False == 0 as Python values.)
     if t is float:
-        return 0.0
-    if v is None or t is bool:
-        return v
+        return float
+    if v is None:
+        return None
+    if t is bool:
+        return bool, v
     if t is torch.Tensor or isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if TensorDescriptor is not None and t is TensorDescriptor:
