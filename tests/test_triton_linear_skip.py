@@ -300,6 +300,18 @@ def test_skip_auto_budget(tune, small_tiles):
         assert (plans == []) == none
 
 
+def test_skip_budget_scale(tune, small_tiles):
+    # Tuning.skip_budget_scale multiplies "auto"'s per-row budget: twice it, every row's skipped mass stays within
+    # twice the bound above, the plan keeps no more pairs hot, and the gradients stay within the precision rule.
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+    m = (x.double() @ w.double().T).amax(1)
+    one, _ = skip_check(x, w, None, t, tune, skip_threshold="auto")
+    tune(skip_budget_scale=2.0)
+    two, _ = skip_check(x, w, None, t, tune, skip_threshold="auto")
+    assert (two[0].row_bound.double() <= 2 * 2.0**-11 * m.abs().clamp(min=1) * (1 + 1e-3)).all()
+    assert int(two[0].hot.sum()) <= int(one[0].hot.sum())
+
+
 def test_skip_bound_holds_when_cold_rows_align(tune, small_tiles):
     # Adversarial: the skipped classes' W rows all point the same way, long (norm 40) and far from every x, so their
     # mass is cold but each unit of it moves dx a long way, all in one direction. The error the skipping adds to

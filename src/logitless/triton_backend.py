@@ -287,7 +287,8 @@ def _skip_plan(x, w, target, skip, ignore_index, workspace_bytes):
     the backward may skip. The order depends on the backward's workspace_bytes."""
     if skip.threshold is None:
         return None, False, 0.0
-    tau = -AUTO_SKIP_UNIT[x.dtype] if skip.threshold == "auto" else float(skip.threshold)
+    tau = (-AUTO_SKIP_UNIT[x.dtype] * current_tuning().skip_budget_scale if skip.threshold == "auto"
+           else float(skip.threshold))
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):
         perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)

@@ -117,6 +117,9 @@ class Tuning:
     # steps (plans.deal_by_makespan): a count of the real head's plans predicts it at least as fast as either fixed
     # choice; on a GPU the products gained a few percent and the step nothing (docs/design/skipping.md).
     skip_dx_deal: str = "share"
+    # skip_threshold="auto"'s per-row budget times this (1: a quarter of each gradient row's rounding error in the
+    # dtype). A/B runs weigh a larger budget's errors against its time (the bench's logitless-triton-skip2).
+    skip_budget_scale: float = 1.0
     # skip_threshold="auto" (the default) skips for a head while its plans skip at least this share of the
     # (token block, tile) pairs, and runs the dense plans otherwise (skip_gate). The break-even share is lower where
     # the dense alternative is the column plan than where it is the row-chunk plan (three cuBLAS products, bf16 at

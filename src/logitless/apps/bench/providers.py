@@ -247,6 +247,28 @@ def _logitless_always_skip() -> Provider:
     )
 
 
+def _logitless_wide_budget() -> Provider:
+    import logitless
+    from logitless import kernels
+
+    base = _logitless("triton")
+
+    def twice(fn):
+        def call(x, w, t):
+            with kernels.tuning(skip_budget_scale=2.0, skip_min_share=0.0):
+                return fn(x, w, t, backend="triton")
+        return call
+
+    return Provider(
+        name="logitless-triton-skip2",
+        description="logitless, backend='triton', skipping on every call with twice the default's per-row budget "
+                    "(Tuning.skip_budget_scale=2: half of each gradient row's rounding error instead of a quarter), "
+                    "to weigh a larger budget's errors against its time",
+        jobs={"train": lambda: twice(logitless.linear_cross_entropy)},
+        unavailable=base.unavailable, cpu_default=False, gpu_default=False, version=base.version,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -258,6 +280,7 @@ def _registry() -> list[Provider]:
         _logitless_workspace(),
         _logitless_dense(),
         _logitless_always_skip(),
+        _logitless_wide_budget(),
         _logitless_lean(),
         _logitless("torch"),
         Provider("torch-eager", "PyTorch eager: F.linear, then F.cross_entropy / log_softmax in float32",
