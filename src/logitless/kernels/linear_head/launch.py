@@ -243,6 +243,8 @@ class _Backward:
         # count of the hot pairs before each tile.
         self.pairs = sp.pairs if self.skip and current_tuning().skip_dz_hot_list else None
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
+        self.dense_chunks = (current_tuning().skip_dense_chunks if self.skip and not self.has_perm and x.stride(1) == 1
+                             and w.stride(1) == 1 and (products.MM_OUT_DTYPE or not x.is_cuda) else 0)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
         # With a softcap, the recomputing dz launches take their own tiles (Config.cap_dz_block_v; the stash's and
@@ -305,10 +307,14 @@ class _Backward:
                 dz = self.dz_in_dw(dz_at, v1 - v0)
             elif need_dz:
                 dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else self.dz_in_scratch(v1 - v0)
+            dense = dz is not None and self.dense_chunks > 0
+            if dense:  # (Tuning.skip_dense_chunks) the cold pairs' dz are zeros for the dense products
+                dz.zero_()
+                self.dense_chunks -= 1
             self.dz_pass(v0, v1, dz, need_db)
             if need_dz:
                 self.grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
-                               dz_at is not None or plan.dz_main is not None)
+                               dz_at is not None or plan.dz_main is not None, dense=dense)
                 first = False
         if self.dx_part is not None:  # the split dx tiles' partials, in split order (deterministic)
             for part in self.dx_part:
@@ -387,16 +393,17 @@ class _Backward:
         if with_db:
             torch.sum(dbp, dim=0, out=self.db[v0:v1])
 
-    def grad_pass(self, v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None):
+    def grad_pass(self, v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None, dense=False):
         """dW rows [v0, v1) = dz^T x (do_dw) and dx_acc = or += dz W[v0:v1] (dx_acc not None). scratch_free: dz is
-        not in the scratch (split partials may go there); room: else where they may go (free dW rows, or None)."""
+        not in the scratch (split partials may go there); room: else where they may go (free dW rows, or None).
+        dense: through cuBLAS's products, whatever the plan."""
         cfg, N, D, x, w, dw = self.cfg, self.N, self.D, self.x, self.w, self.dw
         has_perm, perm, skip = self.has_perm, self.perm, self.skip
         rows = v1 - v0
         do_dx = dx_acc is not None
         if not (do_dw or do_dx):
             return
-        if self.torch_products:
+        if self.torch_products or dense:
             on_call = None
             if self.rec is not None:
                 def on_call(d, rec=self.rec.products):
