@@ -218,16 +218,11 @@ def main():
                     help="Tuning fields (k=v,k=v) of one variant; repeat for an A/B, measured in --rounds rounds")
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    from gpu_skip import tune_variants  # tools/, next to this file
+
     from logitless import kernels
 
-    def value(text):
-        if text.lstrip("-").isdigit():
-            return int(text)
-        try:
-            return float(text)
-        except ValueError:
-            return text
-    tunes = [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.tune or [""]]
+    tunes = tune_variants(args.tune)
     skips = tuple(s if s in ("auto", "none") else float(s) for s in args.skips.split(","))
     variants = functools.partial(calls, kind=args.data, skips=skips, entropy=args.entropy,
                                  data_file=args.data_file)

@@ -51,6 +51,11 @@ def _num(text: str):
         return text
 
 
+def tune_variants(specs: list[str] | None) -> list[dict]:
+    """The Tuning overrides of each --tune value ("k=v,k=v"; none given: one variant of the defaults)."""
+    return [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv) for v in specs or [""]]
+
+
 def _group(name: str) -> str:
     for key in ("_fwd_kernel", "_combine_kernel", "_dz_kernel", "_dgrad_kernel", "_sum_splits", "gemm", "Gemm",
                 "sort", "Sort", "cumsum", "scan", "Scan", "index"):
@@ -71,8 +76,7 @@ def main(argv=None) -> int:
                     help="also list each dz and gradient-product launch's time in order, and the plan's hot pairs "
                          "per range of CLASSES classes (the skipping chunks' width)")
     args = ap.parse_args(argv)
-    variants = [dict((kv.split("=")[0], _num(kv.split("=")[1])) for kv in v.split(",") if kv)
-                for v in args.tune or [""]]
+    variants = tune_variants(args.tune)
     N, D, V = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; shape N={N} D={D} V={V}, bf16, mean loss")
