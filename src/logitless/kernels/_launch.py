@@ -1,9 +1,9 @@
 """Kernel launches that skip Triton's argument binding when a launch repeats a specialization seen before.
 
 Triton's JIT entry binds every argument of every launch, specializes it (pointer alignment, integers equal to 1 or
-divisible by 16, the constexprs) and builds a cache key from the result before it finds the compiled kernel: tens of
-microseconds for kernels of 50-90 parameters like ours, which a small head's step pays for each of its launches
-while the GPU waits on the host (docs/design/host_time.md). `launch(fn, grid, *args, **constexprs)` keys the
+divisible by 16, the constexprs) and builds a cache key from the result before it finds the compiled kernel: a cost
+that grows with the parameter count (ours have dozens), which a small head's step pays for each of its launches
+while the GPU waits on the host (measured in docs/design/host_time.md). `launch(fn, grid, *args, **constexprs)` keys the
 compiled kernel by a cheap description of the same facts instead, made only of what Triton's specialization can
 depend on:
 

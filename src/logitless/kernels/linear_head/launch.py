@@ -243,8 +243,8 @@ class _Backward:
         # count of the hot pairs before each tile.
         self.pairs = sp.pairs if self.skip and current_tuning().skip_dz_hot_list else None
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
-        self.dense_chunks = (current_tuning().skip_dense_chunks if self.skip and not self.has_perm and x.stride(1) == 1
-                             and w.stride(1) == 1 and (products.MM_OUT_DTYPE or not x.is_cuda) else 0)
+        self.dense_chunks = (current_tuning().skip_dense_chunks
+                             if self.skip and products.torch_products_possible(x, w, self.has_perm) else 0)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
         # With a softcap, the recomputing dz launches take their own tiles (Config.cap_dz_block_v; the stash's and
@@ -295,7 +295,7 @@ class _Backward:
             bounds = [v0 // cfg.block_v for v0, *_ in chunks] + [cdiv(chunks[-1][1], cfg.block_v)]
             flags = plans.deal_by_makespan(self.sp.pre_n, bounds, D, cfg, self.sms)
             self.deal_by_chunk = {v0: flags[i:i + 1] for i, (v0, *_) in enumerate(chunks)}
-        for v0, v1, dz_at, stashed in chunks:
+        for i, (v0, v1, dz_at, stashed) in enumerate(chunks):
             dz = None
             if stashed:  # dz replaces the chunk's stashed logits: (N, v1 - v0), column-major
                 dz = self.stash_dz[v0: v1].t()
@@ -307,10 +307,9 @@ class _Backward:
                 dz = self.dz_in_dw(dz_at, v1 - v0)
             elif need_dz:
                 dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else self.dz_in_scratch(v1 - v0)
-            dense = dz is not None and self.dense_chunks > 0
+            dense = dz is not None and i < self.dense_chunks
             if dense:  # (Tuning.skip_dense_chunks) the cold pairs' dz are zeros for the dense products
                 dz.zero_()
-                self.dense_chunks -= 1
             self.dz_pass(v0, v1, dz, need_db)
             if need_dz:
                 self.grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
