@@ -198,7 +198,6 @@ PINNED = {
     "logitless.kernels.Tuning.skip_dx_split": "4",
     "logitless.kernels.Tuning.skip_dx_deal_pct": "15.0",
     "logitless.kernels.Tuning.skip_dx_deal": "'share'",
-    "logitless.kernels.Tuning.skip_dense_chunks": "0",
     "logitless.kernels.Tuning.skip_budget_scale": "1.0",
     "logitless.kernels.Tuning.skip_min_share": "0.35",
     "logitless.kernels.Tuning.skip_min_share_row_chunks": "0.5",

@@ -326,22 +326,6 @@ def test_skip_budget_scale(tune, small_tiles):
     assert (plan.row_bound.double() <= 2 * 2.0**-11 * m.abs().clamp(min=1) * (1 + 1e-3)).all()
 
 
-def test_skip_dense_chunks(tune, small_tiles):
-    # Tuning.skip_dense_chunks: the first chunks zero their dz, write the hot pairs' and take the dense products
-    # (torch's matmuls; float32 ones on a CPU) while the others stay sparse; the gradients stay within the rule.
-    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73], [1, 2, 400, 401]], v=1000)
-    recs = []
-    # chunks of 320 classes; new buffers NaN, so that a cold pair's dz not zeroed would show
-    tune(skip_dense_chunks=2, debug_backwards=recs, scratch_bytes=70 * 2 * 64, debug_poison=True)
-    plans, _ = skip_check(x, w, None, t, tune, skip_threshold=TAU, workspace_bytes=1 << 24)
-    assert plans and not plans[0].hot.all()
-    (rec,) = recs
-    assert rec.skip and len(rec.first_pass) > 2
-    dense = [v0 for v0, *_ in rec.first_pass[:2]]
-    assert sorted({p.v0 for p in rec.products if p.torch}) == dense
-    assert all(not p.torch for p in rec.products if p.v0 not in dense)
-
-
 def test_skip_bound_holds_when_cold_rows_align(tune, small_tiles):
     # Adversarial: the skipped classes' W rows all point the same way, long (norm 40) and far from every x, so their
     # mass is cold but each unit of it moves dx a long way, all in one direction. The error the skipping adds to

@@ -117,10 +117,6 @@ class Tuning:
     # steps (plans.deal_by_makespan): a count of the real head's plans predicts it at least as fast as either fixed
     # choice; on a GPU the products gained a few percent and the step nothing (docs/design/skipping.md).
     skip_dx_deal: str = "share"
-    # Skipping, the first this many chunks of the first pass zero their dz, write the hot pairs' and take dense
-    # products through cuBLAS instead of the sparse kernel: A/B runs of heads whose first chunks are mostly hot
-    # (docs/design/skipping.md, "Where the skipping backward's time goes at D = 4096").
-    skip_dense_chunks: int = 0
     # skip_threshold="auto"'s per-row budget times this (1: a quarter of each gradient row's rounding error in the
     # dtype). A/B runs weigh a larger budget's errors against its time (the bench's logitless-triton-skip2).
     skip_budget_scale: float = 1.0

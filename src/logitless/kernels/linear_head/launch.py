@@ -243,8 +243,6 @@ class _Backward:
         # count of the hot pairs before each tile.
         self.pairs = sp.pairs if self.skip and current_tuning().skip_dz_hot_list else None
         self.torch_products = products._torch_products(x, w, self.skip, self.has_perm)
-        self.dense_chunks = (current_tuning().skip_dense_chunks
-                             if self.skip and products.torch_products_possible(x, w, self.has_perm) else 0)
         self.dz_tma = use_tma(cfg, x, w, perm)
         self.dz_x, self.dz_w = operands(x, w, self.dz_tma, cfg.block_n, cfg.dz_block_v, cfg.block_k)
         # With a softcap, the recomputing dz launches take their own tiles (Config.cap_dz_block_v; the stash's and
@@ -295,7 +293,7 @@ class _Backward:
             bounds = [v0 // cfg.block_v for v0, *_ in chunks] + [cdiv(chunks[-1][1], cfg.block_v)]
             flags = plans.deal_by_makespan(self.sp.pre_n, bounds, D, cfg, self.sms)
             self.deal_by_chunk = {v0: flags[i:i + 1] for i, (v0, *_) in enumerate(chunks)}
-        for i, (v0, v1, dz_at, stashed) in enumerate(chunks):
+        for v0, v1, dz_at, stashed in chunks:
             dz = None
             if stashed:  # dz replaces the chunk's stashed logits: (N, v1 - v0), column-major
                 dz = self.stash_dz[v0: v1].t()
@@ -307,13 +305,10 @@ class _Backward:
                 dz = self.dz_in_dw(dz_at, v1 - v0)
             elif need_dz:
                 dz = plan.dz_main[:, : v1 - v0] if plan.dz_main is not None else self.dz_in_scratch(v1 - v0)
-            dense = dz is not None and i < self.dense_chunks
-            if dense:  # (Tuning.skip_dense_chunks) the cold pairs' dz are zeros for the dense products
-                dz.zero_()
             self.dz_pass(v0, v1, dz, need_db)
             if need_dz:
                 self.grad_pass(v0, v1, dz, need_dw and v1 <= plan.dw_end, plan.dx_acc, not first,
-                               dz_at is not None or plan.dz_main is not None, dense=dense)
+                               dz_at is not None or plan.dz_main is not None)
                 first = False
         if self.dx_part is not None:  # the split dx tiles' partials, in split order (deterministic)
             for part in self.dx_part:
@@ -392,17 +387,16 @@ class _Backward:
         if with_db:
             torch.sum(dbp, dim=0, out=self.db[v0:v1])
 
-    def grad_pass(self, v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None, dense=False):
+    def grad_pass(self, v0, v1, dz, do_dw, dx_acc, accumulate, scratch_free, room=None):
         """dW rows [v0, v1) = dz^T x (do_dw) and dx_acc = or += dz W[v0:v1] (dx_acc not None). scratch_free: dz is
-        not in the scratch (split partials may go there); room: else where they may go (free dW rows, or None).
-        dense: through cuBLAS's products, whatever the plan."""
+        not in the scratch (split partials may go there); room: else where they may go (free dW rows, or None)."""
         cfg, N, D, x, w, dw = self.cfg, self.N, self.D, self.x, self.w, self.dw
         has_perm, perm, skip = self.has_perm, self.perm, self.skip
         rows = v1 - v0
         do_dx = dx_acc is not None
         if not (do_dw or do_dx):
             return
-        if self.torch_products or dense:
+        if self.torch_products:
             on_call = None
             if self.rec is not None:
                 def on_call(d, rec=self.rec.products):
