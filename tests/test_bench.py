@@ -377,3 +377,19 @@ def test_no_clobber_and_the_mark_of_gradients_taken_in_the_forward(tmp_path, cap
     err = capsys.readouterr().err
     assert e.value.code == 2 and "already holds table.txt" in err and "--no-clobber" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_skipped_cell_says_when_the_gate_ran_dense():
+    # The default's gate keeps the share of its last probe when it finds too little cold and runs the dense plans:
+    # the table must not read that share as what the timed calls skipped.
+    from logitless.apps.bench import report, runner
+
+    case = cases.Case("train", cases.parse_shape("40,16,300"), "bf16", "uniform")
+    rows = {}
+    for state in ("skip", "dense", ""):
+        pr = runner.PhaseResult("fwd+bwd", "ok", total_ms=1.0, fwd_ms=0.5, bwd_ms=0.5, skipped=0.31, skip_state=state)
+        r = runner.Result(case, "logitless-triton", "ok", phases={"fwd+bwd": pr})
+        rows[state] = report._row(r, "fwd+bwd", True)[-1]
+        assert list(report._records(runner.Run([r], {}, {}, {}, {})))[0]["skip_state"] == state
+    assert rows == {"skip": "31%", "dense": "31% (dense)", "": "31%"}
+    assert "skip_state" in report.CSV_FIELDS

@@ -41,6 +41,8 @@ def _row(r: Result, phase: str, first: bool) -> list[str]:
     if split and pr.grads_in_forward:
         fwd, bwd = fwd + FOLDED_MARK, bwd + FOLDED_MARK
     skipped = "-" if math.isnan(pr.skipped) else f"{100 * pr.skipped:.0f}%"
+    if skipped != "-" and pr.skip_state == "dense":
+        skipped += " (dense)"  # the gate's last probe found too little cold: the timed calls ran the dense plans
     return head + [_num(pr.total_ms), fwd, bwd,
                    _num(pr.x_ours), _num(pr.x_floor), _num(C.mib(pr.peak_bytes)), _num(pr.rate), skipped]
 
@@ -127,7 +129,8 @@ def _records(run: Run):
                    "peak_mib": C.mib(pr.peak_bytes),
                    "tflops": pr.rate if r.case.job != "ce" else math.nan,
                    "gbps": pr.rate if r.case.job == "ce" else math.nan,
-                   "x_ours": pr.x_ours, "x_floor": pr.x_floor, "skipped_share": pr.skipped}
+                   "x_ours": pr.x_ours, "x_floor": pr.x_floor, "skipped_share": pr.skipped,
+                   "skip_state": pr.skip_state}
         if not r.phases:
             yield {**base, "phase": "", "phase_status": "", "phase_error": ""}
 
@@ -157,7 +160,7 @@ def write_json(run: Run, meta: dict, path: str, opener=open) -> None:
 
 CSV_FIELDS = ["job", "shape", "N", "D", "V", "dtype", "data", "provider", "status", "phase", "phase_status",
               "median_ms", "fwd_ms", "bwd_ms", "reps", "peak_mib", "tflops", "gbps", "x_ours", "x_floor",
-              "skipped_share", "wall_s",
+              "skipped_share", "skip_state", "wall_s",
               "error", "phase_error"]
 
 

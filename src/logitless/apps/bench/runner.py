@@ -56,6 +56,9 @@ class PhaseResult:
     # Share of the (token block, tile) pairs the last skipping plan of the timed calls skipped (logitless's
     # skip_threshold; NaN where no plan was made: the dense plans, or a peer).
     skipped: float = math.nan
+    # Whether the gate of skip_threshold="auto" ran the timed calls skipping ("skip") or dense ("dense", the share
+    # above then its last probe's); "" where no gate kept a record.
+    skip_state: str = ""
 
 
 @dataclass
@@ -234,6 +237,7 @@ def _run_phase(p: Provider, case: C.Case, inp: C.Inputs, phase: str, opts: Optio
         out.total_ms, out.fwd_ms, out.bwd_ms, out.reps = t.total_ms, t.fwd_ms, t.bwd_ms, t.reps
         share = skip_gate.last_share(inp.w) if inp.w is not None else None
         out.skipped = math.nan if share is None else share
+        out.skip_state = (skip_gate.state(inp.w) or "") if share is not None else ""
         if case.job == "ce":
             out.rate = C.min_bytes(case.job, phase, case.shape, case.dtype) / (t.total_ms * 1e-3) / 1e9
         else:
