@@ -124,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: 1.0 on a GPU, 0.5 on a CPU)")
     ap.add_argument("--min-reps", type=int, default=3, metavar="R", help="at least R timed runs (default: 3)")
     ap.add_argument("--max-reps", type=int, default=100, metavar="R", help="at most R timed runs (default: 100)")
-    ap.add_argument("--warmup", type=int, default=2, metavar="R",
+    ap.add_argument("--warmup", type=int, default=3, metavar="R",
                     help="untimed runs before measuring, after the check; at least 1, the last one sizing the "
-                         "number of timed runs (default: 2, so that a first run's compilation does not cut a "
-                         "provider's timed runs to --min-reps)")
+                         "number of timed runs (default: 3, so that no run that compiles sizes them: the default "
+                         "call compiles on its first two calls, the dense plans and then its probe of skipping, "
+                         "and a run sized by a compilation gets only --min-reps timed runs)")
     ap.add_argument("--max-iter-seconds", type=float, default=30.0, metavar="S",
                     help="a provider whose single run takes longer is reported 'too slow', not timed; its first "
                          "run, which may compile, may take 10 x as long (default: 30)")

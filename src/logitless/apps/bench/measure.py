@@ -47,7 +47,8 @@ def _sync(device):
 # The first runs of a provider may compile (Triton kernels for new shapes, torch.compile graphs): each of the first
 # COMPILING_RUNS may take up to FIRST_RUN_ALLOWANCE times --max-iter-seconds, and one that takes longer than the limit
 # is followed by another. Two, because the default call compiles twice: its first call runs the dense plans, and
-# its second probes whether skipping pays for the head (skip_gate), which compiles the skipping kernels.
+# its second probes whether skipping pays for the head (skip_gate), which compiles the skipping kernels; hence the
+# default of three warm-up runs (--warmup), the third sizing the timed runs.
 FIRST_RUN_ALLOWANCE = 10.0
 COMPILING_RUNS = 2
 

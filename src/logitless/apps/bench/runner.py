@@ -28,7 +28,7 @@ class Options:
     budget_s: float = 1.0  # time spent on the timed repetitions of one phase, about
     min_reps: int = 3
     max_reps: int = 100
-    warmup: int = 2
+    warmup: int = 3
     max_iter_s: float = 30.0
     check_rows: int = 512
     time_failing: bool = False
