@@ -152,3 +152,6 @@ def test_profile_finds_a_synchronising_step():
     assert out["event_ms"] > 0 and out["issue_ms"] > 0
     assert 0 < out["gpu_busy_ms"] <= out["wall_ms"] + 1e-3
     assert out["kernels_ms"] and all(t >= 0 for _, t in out["kernels_ms"])
+    assert [n for n, _ in out["kernel_launches"]] == [n for n, _ in out["kernels_ms"]]
+    assert all(c > 0 for _, c in out["kernel_launches"])
+    assert abs(out["kernel_ms_total"] - sum(t for _, t in out["kernels_ms"])) < 1e-6

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
                 print(f"issue {p['issue_ms']:.1f} ms, events {p['event_ms']:.1f} ms; profiled wall {p['wall_ms']:.1f} "
                       f"ms, GPU busy {p['gpu_busy_ms']:.1f}, idle {p['gpu_idle_ms']:.1f}")
                 print("sync sites:", *(p["sync_sites"] or ["none"]), sep="\n  ")
-                print("kernels (ms/step):", *(f"{t:7.2f} {n}" for n, t in p["kernels_ms"][:15]), sep="\n  ")
+                print(f"kernels (ms/step; {p['kernel_ms_total']:.2f} in all, the JSON lists every one):",
+                      *(f"{t:7.2f} {n}" for n, t in p["kernels_ms"][:15]), sep="\n  ")
                 print("host ops (ms/step):", *(f"{t:7.2f} {n}" for n, t in p["host_ops_ms"][:15]), sep="\n  ")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

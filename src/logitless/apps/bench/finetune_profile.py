@@ -91,6 +91,7 @@ def profile(step, batches, steps: int = 3) -> dict:
         torch.cuda.synchronize()
         wall = 1e3 * (time.perf_counter() - t) / steps
     kernels = collections.defaultdict(float)
+    launches = collections.Counter()
     host_ops = collections.defaultdict(float)
     spans = []
     for e in prof.events():
@@ -98,6 +99,7 @@ def profile(step, batches, steps: int = 3) -> dict:
             if getattr(e, "is_user_annotation", False):  # a range around kernels (Optimizer.step...), not one
                 continue
             kernels[e.name[:90]] += e.time_range.elapsed_us()
+            launches[e.name[:90]] += 1
             spans.append((e.time_range.start, e.time_range.end))
         else:
             host_ops[e.name[:90]] += e.self_cpu_time_total
@@ -105,6 +107,10 @@ def profile(step, batches, steps: int = 3) -> dict:
     out["wall_ms"] = wall
     out["gpu_busy_ms"] = busy_ms
     out["gpu_idle_ms"] = wall - busy_ms
-    out["kernels_ms"] = [(n, t / 1e3 / steps) for n, t in sorted(kernels.items(), key=lambda x: -x[1])[:25]]
+    # Every kernel, not only the largest: a step's difference between two variants is often many small ones.
+    order = sorted(kernels.items(), key=lambda x: -x[1])
+    out["kernels_ms"] = [(n, t / 1e3 / steps) for n, t in order]
+    out["kernel_launches"] = [(n, launches[n] / steps) for n, _ in order]
+    out["kernel_ms_total"] = sum(kernels.values()) / 1e3 / steps
     out["host_ops_ms"] = [(n, t / 1e3 / steps) for n, t in sorted(host_ops.items(), key=lambda x: -x[1])[:25]]
     return out
