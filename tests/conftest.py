@@ -8,6 +8,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (the README's test command runs one worker per core) each worker keeps to one PyTorch thread,
+# so that the workers do not contend for the cores (CONTRIBUTING.md, "Before a commit").
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _interpreter_problem() -> str | None:
     """Why the installed Triton's interpreter cannot run the kernels, or None. Triton 3.6's interpreter converts a
