@@ -273,21 +273,27 @@ def test_deal_by_makespan():
     assert plans.deal_by_makespan(both, [0, 64, 128], 640, cfg, 132).tolist() == [0, 1]
 
 
+def tile4_head(units):
+    """A peaked bfloat16 head of 300 classes whose tile 4 (classes 256-299: zero W rows and one bias) holds about
+    units x 2^-12 of every row's mass; (x, w, t, bias, each row's largest logit in float64)."""
+    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
+    w[256:] = 0
+    lse = torch.logsumexp(x.double() @ w.double().T, 1)
+    b = torch.zeros(300, dtype=torch.float64, device=DEV)
+    b[256:] = lse.min() + math.log(units * TAU / 44)
+    b = b.to(torch.bfloat16)
+    return x, w, t, b, (x.double() @ w.double().T + b.double()).amax(1)
+
+
 def test_skip_auto_budget(tune, small_tiles):
     # skip_threshold="auto": each row may lose 2^-11 max(1, |m_i|) (1 - p_max,i) of its mass in bfloat16 (2^-14 in
     # float16), a quarter of the rounding error of its gradient row in the dtype; float32 inputs skip nothing. Tile 4
     # holds 3 x 2^-12 of every row's mass (zero W rows and a bias): too much for the fixed 2^-12, within the budget
     # of rows whose largest logit is ~20 and whose top class holds about half of the mass.
-    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
-    w[256:] = 0
-    lse = torch.logsumexp(x.double() @ w.double().T, 1)
-    b = torch.zeros(300, dtype=torch.float64, device=DEV)
-    b[256:] = lse.min() + math.log(3 * TAU / 44)
-    b = b.to(torch.bfloat16)
+    x, w, t, b, m = tile4_head(3)
     fixed, _ = skip_check(x, w, b, t, tune, skip_threshold=TAU)
     auto, _ = skip_check(x, w, b, t, tune, skip_threshold="auto")
     assert fixed[0].hot[:, 4].all() and not auto[0].hot[:, 4].any()
-    m = (x.double() @ w.double().T + b.double()).amax(1)
     assert (auto[0].row_bound.double() <= 2.0**-11 * m.abs().clamp(min=1) * (1 + 1e-3)).all()
     assert (auto[0].row_bound > 2 * TAU).all()
     plans = []
@@ -307,13 +313,7 @@ def test_skip_budget_scale(tune, small_tiles):
     # cold and every row's skipped mass stays within twice the bound. (Doubled, this head's d_weight error is 2.6 x
     # PyTorch's, over the rule: the 44 classes of that tile lose their whole gradient. That is why the scale is only
     # for A/B runs on real heads, where the bench checks the rule.)
-    x, w, t = peaked(torch.bfloat16, [[1, 2, 3, 4], [70, 71, 72, 73]], n=64)
-    w[256:] = 0
-    lse = torch.logsumexp(x.double() @ w.double().T, 1)
-    b = torch.zeros(300, dtype=torch.float64, device=DEV)
-    b[256:] = lse.min() + math.log(24 * TAU / 44)
-    b = b.to(torch.bfloat16)
-    m = (x.double() @ w.double().T + b.double()).amax(1)
+    x, w, t, b, m = tile4_head(24)
     one, _ = skip_check(x, w, b, t, tune, skip_threshold="auto")
     assert one[0].hot[:, 4].all()
     two = []

@@ -218,7 +218,7 @@ def two_heads_loss(xs, ws, bs, xt, wt, bt, kind: str, beta: float, softcap, inv_
         tau = 0.0
         grads = grads_wanted(xs, ws, bs)
         if grads and skip_threshold == "auto":
-            tau = -triton_backend.AUTO_SKIP_UNIT.get(xs.dtype, 0.0) * triton_backend.current_tuning().skip_budget_scale
+            tau = triton_backend.auto_threshold(xs.dtype)
         elif grads and skip_threshold is not None:
             tau = float(skip_threshold)
         return triton_two_heads.loss(xs, ws, bs, xt, wt, bt, kind, beta, softcap, inv_temp, workspace_bytes, tau)

@@ -36,6 +36,13 @@ __all__ = ["fused_cross_entropy", "fused_plan", "resolve_skip", "row_chunk_plan"
 AUTO_SKIP_UNIT = {torch.bfloat16: 2.0**-11, torch.float16: 2.0**-14}
 
 
+def auto_threshold(dtype: torch.dtype) -> float:
+    """The kernels' threshold for skip_threshold="auto" in `dtype`: negative, meaning a budget per row of this unit
+    times max(1, |m_i|) (1 - p_max,i), scaled by Tuning.skip_budget_scale; 0 (nothing skipped) where the dtype has
+    no unit."""
+    return -AUTO_SKIP_UNIT.get(dtype, 0.0) * current_tuning().skip_budget_scale
+
+
 _STATS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? target, Tensor? class_weight, float? softcap, "
                  "float inv_temp, bool want_smooth, bool want_entropy, Tensor? perm, bool want_tiles, "
                  "float skip_threshold, int? workspace_bytes, bool want_stash, bool stash_dx, bool want_lse, "
@@ -287,8 +294,7 @@ def _skip_plan(x, w, target, skip, ignore_index, workspace_bytes):
     the backward may skip. The order depends on the backward's workspace_bytes."""
     if skip.threshold is None:
         return None, False, 0.0
-    tau = (-AUTO_SKIP_UNIT[x.dtype] * current_tuning().skip_budget_scale if skip.threshold == "auto"
-           else float(skip.threshold))
+    tau = auto_threshold(x.dtype) if skip.threshold == "auto" else float(skip.threshold)
     perm = None
     if isinstance(skip.vocab_order, torch.Tensor):
         perm = vocab_order(skip.vocab_order.detach(), x, w, workspace_bytes)

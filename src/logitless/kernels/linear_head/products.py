@@ -11,16 +11,14 @@ from .._tuning import current_tuning
 # torch has matmuls with a float32 output for bfloat16 / float16 operands (>= 2.8).
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
 
-def torch_products_possible(x: torch.Tensor, w: torch.Tensor, has_perm: bool) -> bool:
-    """Whether torch's matmuls can take a chunk's products: no vocabulary order, rows of unit stride (cuBLAS would
-    need a copy of an operand strided otherwise), and on CUDA half-precision matmuls with a float32 output."""
-    return (not has_perm and x.stride(1) == 1 and w.stride(1) == 1
-            and (not x.is_cuda or x.dtype == torch.float32 or bool(_MM_OUT_DTYPE)))
-
 
 def _torch_products(x: torch.Tensor, w: torch.Tensor, skip: bool, has_perm: bool) -> bool:
     """Whether the products run through torch (Tuning.torch_products; by default for bfloat16 / float16 on CUDA)."""
-    if skip or not torch_products_possible(x, w, has_perm):
+    # Rows with unit stride only: cuBLAS would need a copy of an operand strided otherwise. Half-precision operands
+    # on CUDA need matmuls with a float32 output.
+    if skip or has_perm or x.stride(1) != 1 or w.stride(1) != 1:
+        return False
+    if x.is_cuda and x.dtype != torch.float32 and not _MM_OUT_DTYPE:
         return False
     forced = current_tuning().torch_products
     if forced is not None:
