@@ -221,3 +221,42 @@ def test_odd_vocabulary_dz_rows_aligned(small_policy, budget):
     assert row_major and all(st[0] % 8 == 0 for _, st in row_major), seen
     assert any(cols % 8 for cols, _ in seen)  # the odd last chunk reached the products ...
     assert any(cols < 8 for cols, _ in seen)  # ... and its last classes went apart
+
+
+def test_lean_tool_prices_a_plan_at_its_count(small_policy):
+    # tools/gpu_lean.py prices each kernel of a lean fwd+bwd at its count: with every launch taking exactly its
+    # price, the forward, the dz launches and the products sum to (4 + r) products (no stash on a CPU), r the share
+    # of classes the second pass recomputes; the dz launches must match the record's chunks one to one.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "gpu_lean.py"
+    spec = importlib.util.spec_from_file_location("gpu_lean", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    records = []
+    x, w, _, t = make_case(torch.bfloat16, n=N, d=D, v=V, bias=False)
+    x, w = leaves(x, w)
+    with logitless.kernels.tuning(debug_backwards=records):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton", workspace_bytes=0, skip_threshold=None)
+        torch.autograd.grad(loss, (x, w))
+    rec = records[-1]
+    assert rec.second_pass and not rec.workspace.own_acc
+    mm = 3.0
+    kernels = [("_fwd_kernel", mm)]
+    chunks = [(v1 - v0, v1 <= rec.dw_end) for v0, v1, *_ in rec.first_pass]
+    chunks += [(v1 - v0, None) for v0, v1, _ in rec.second_pass]  # one product: dW
+    for cols, writes in chunks:
+        kernels.append(("_dz_kernel_0d1d", cols * mm / V))
+        kernels += [("nvjet_gemm", cols * mm / V)] * (2 if writes else 1)
+        kernels.append(("elementwise_copy", 0.0))
+    kinds = tool.classify(kernels, rec, V, mm)
+    r = (V - rec.dw_end) / V
+    assert r > 0
+    assert abs(sum(k["ideal"] for k in kinds.values()) - (4 + r) * mm) < 1e-9
+    assert all(abs(k["ms"] - k["ideal"]) < 1e-9 for k in kinds.values())
+    assert kinds["dz second"]["launches"] == len(rec.second_pass) and kinds["other"]["launches"] == len(chunks)
+    with pytest.raises(RuntimeError, match="dz launches"):
+        tool.classify(kernels[:-3], rec, V, mm)
+    c = tool.counts(8192, 4096, 128256)
+    assert c["r"] == pytest.approx(2 * c["r_min"], rel=1e-3) and c["bound"] < c["count"]
