@@ -93,7 +93,31 @@ def classify(kernels: list[tuple[str, float]], rec, V: int, mm_ms: float) -> dic
     return kinds
 
 
-def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int) -> dict:
+def idle_gaps(kernels: list[tuple]) -> dict:
+    """The profiled step's idle time: kernels as (start_us, name, ms, end_us) sorted by start."""
+    idle, gaps, end, prev = 0.0, [], kernels[0][3], kernels[0][1]
+    for i, (s, name, _, e) in enumerate(kernels[1:], 1):
+        if s > end:
+            idle += s - end
+            gaps.append(((s - end) / 1e3, i, prev, name))
+        if e > end:
+            end, prev = e, name
+    gaps.sort(reverse=True)
+    return dict(span_ms=(end - kernels[0][0]) / 1e3, idle_ms=idle / 1e3, count=len(gaps), largest=gaps[:20])
+
+
+def warm_up(seconds: float = 3.0):
+    """Products for `seconds`: the first shape is timed at the clocks the others see."""
+    import time
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int, workspace_bytes: int | None = 0) -> dict:
     import logitless
     from logitless.apps.bench import data
     from logitless.apps.bench.measure import event_ms
@@ -104,7 +128,8 @@ def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int) -> dic
     dz = torch.randn(N, V, device="cuda", dtype=x.dtype) * 1e-3
 
     def lean():
-        loss = logitless.linear_cross_entropy(x, w, t, workspace_bytes=0, skip_threshold=None)
+        loss = logitless.linear_cross_entropy(x, w, t, workspace_bytes=workspace_bytes,
+                                             skip_threshold=None)
         return torch.autograd.grad(loss, (x, w))
 
     steps = {"mm": lambda: x0 @ w0.T, "floor": lambda: (x0 @ w0.T, dz @ w0, dz.T @ x0), "lean": lean}
@@ -125,13 +150,15 @@ def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int) -> dic
             lean()
             torch.cuda.synchronize()
     rec = records[-1]
-    kernels = sorted((e.time_range.start, e.name, e.time_range.elapsed_us() / 1e3) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
-    kinds = classify([(n, t_) for _, n, t_ in kernels], rec, V, ms["mm"])
+    kernels = sorted((e.time_range.start, e.name, e.time_range.elapsed_us() / 1e3, e.time_range.end)
+                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kinds = classify([(n, t_) for _, n, t_, _ in kernels], rec, V, ms["mm"])
+    gaps = idle_gaps(kernels)
     c = counts(N, D, V)
     res = dict(shape=label, N=N, D=D, V=V, data=kind, **{f"{k}_ms": v for k, v in ms.items()}, **c,
                measured=ms["lean"] / ms["floor"], kinds=kinds, kernel_ms=sum(k["ms"] for k in kinds.values()),
-               chunks_first=len(rec.first_pass), chunks_second=len(rec.second_pass))
+               chunks_first=len(rec.first_pass), chunks_second=len(rec.second_pass), idle_ms=gaps["idle_ms"],
+               span_ms=gaps["span_ms"], gaps=gaps["largest"])
     print(f"\n{label} ({kind}): mm {ms['mm']:.2f} ms, floor {ms['floor']:.2f}, lean {ms['lean']:.2f} = "
           f"{res['measured']:.3f} x floor; count {c['count']:.3f} (s {c['s']:.3f}, r {c['r']:.3f}), bound "
           f"{c['bound']:.3f} (s {c['s_max']:.3f}, r {c['r_min']:.3f}); measured / bound {res['measured'] / c['bound']:.3f}; "
@@ -143,6 +170,10 @@ def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int) -> dic
         above = v["ms"] - v["ideal"]
         print(f"| {k} | {v['launches']} | {v['ms']:.2f} | {v['ideal']:.2f} | {above:+.2f} | {100 * above / bound_ms:+.1f} |")
     print(f"| all kernels | | {res['kernel_ms']:.2f} | {sum(v['ideal'] for v in kinds.values()):.2f} | | |")
+    print(f"profiled: first kernel to last {gaps['span_ms']:.2f} ms, idle {gaps['idle_ms']:.2f} ms in "
+          f"{gaps['count']} gaps; the largest:")
+    for g in gaps["largest"][:8]:
+        print(f"    {g[0]:.3f} ms after #{g[1]} {g[2][:40]} -> {g[3][:40]}")
     return res
 
 
@@ -151,6 +182,8 @@ def main():
     ap.add_argument("--shapes", default="8192,4096,128256;8192,2560,262144;" + ";".join(PRESETS_TRAIN))
     ap.add_argument("--data", default="uniform", choices=("uniform", "lm"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workspace-bytes", default="0", help="the plan timed: 0 the lean plan (default), None the "
+                    "default budget (the counts are the lean plan's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="the counts alone (no GPU needed)")
     a = ap.parse_args()
@@ -166,7 +199,9 @@ def main():
     import triton
     dev = torch.cuda.get_device_properties(0)
     print(f"device {dev.name}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    out = [run_shape(label, N, D, V, a.data, a.rounds) for label, (N, D, V) in shapes]
+    warm_up()
+    out = [run_shape(label, N, D, V, a.data, a.rounds,
+                     None if a.workspace_bytes == "None" else int(a.workspace_bytes)) for label, (N, D, V) in shapes]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=dev.name, torch=torch.__version__, triton=triton.__version__, results=out), f,
