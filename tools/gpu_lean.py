@@ -151,6 +151,9 @@ def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int, worksp
             for _ in range(3):
                 lean()
             torch.cuda.synchronize()
+    if not records:
+        raise SystemExit(f"{label}: no column backward ran with workspace_bytes={workspace_bytes} (the row-chunk plan "
+                         "takes the gradients in the forward); this tool prices the column plans")
     rec = records[-1]
     kernels = sorted((e.time_range.start, e.name, e.time_range.elapsed_us() / 1e3, e.time_range.end)
                      for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -188,8 +191,8 @@ def main():
     ap.add_argument("--shapes", default="8192,4096,128256;8192,2560,262144;" + ";".join(PRESETS_TRAIN))
     ap.add_argument("--data", default="uniform", choices=("uniform", "lm"))
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--workspace-bytes", default="0", help="the plan timed: 0 the lean plan (default), None the "
-                    "default budget (the counts are the lean plan's)")
+    ap.add_argument("--workspace-bytes", default="0", help="the plan timed: 0 the lean plan (default), or another "
+                    "budget whose plan is a column plan (the counts stay the lean plan's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="the counts alone (no GPU needed)")
     a = ap.parse_args()
