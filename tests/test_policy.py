@@ -253,6 +253,8 @@ def test_lean_tool_prices_a_plan_at_its_count(small_policy):
     kinds = tool.classify(kernels, rec, V, mm)
     r = (V - rec.dw_end) / V
     assert r > 0
+    from logitless.kernels.linear_head.configs import interpreter_config
+    assert tool.counts(N, D, V, interpreter_config())["r"] == r  # the tool's count is the backward's plan
     assert abs(sum(k["ideal"] for k in kinds.values()) - (4 + r) * mm) < 1e-9
     assert all(abs(k["ms"] - k["ideal"]) < 1e-9 for k in kinds.values())
     assert kinds["dz second"]["launches"] == len(rec.second_pass) and kinds["other"]["launches"] == len(chunks)

@@ -26,7 +26,6 @@ import statistics
 
 import torch
 
-PRESETS_TRAIN = ("gemma2-2b", "llama3-8b", "mistral-nemo", "qwen3-small")
 
 
 def parse_shapes(text: str) -> list[tuple[str, tuple[int, int, int]]]:
@@ -48,10 +47,11 @@ def counts(N: int, D: int, V: int, cfg=None) -> dict:
     from logitless.kernels.linear_head.configs import hopper_config
     cfg = cfg or hopper_config()
     meta = dict(device="meta", dtype=torch.bfloat16)
+    x, dx, w = torch.empty(N, D, **meta), torch.empty(N, D, **meta), torch.empty(V, D, **meta)
     # The products run through cuBLAS on a GPU; on meta tensors that must be said.
     with tuning(linear_config=cfg, torch_products=True):
-        lay = plans.stash_layout(torch.empty(N, D, **meta), torch.empty(V, D, **meta), True, 0)
-    dw_end = plans._acc_region(N, V, D, cfg, False)[1] if V * D >= 2 * N * D + 8 else V
+        lay = plans.stash_layout(x, w, True, 0)
+        dw_end = plans._plan(x, dx, torch.empty_like(w), N, V, D, cfg, False, plans._workspace(N, V, D, 2, 0)).dw_end
     s_max, r_min = max(0.0, D / N - D / V), N / V
     s, r = (lay.classes / V if lay else 0.0), (V - dw_end) / V
     return dict(s_max=s_max, r_min=r_min, bound=(4 - s_max + r_min) / 3, s=s, r=r, count=(4 - s + r) / 3)
@@ -188,7 +188,8 @@ def run_shape(label: str, N: int, D: int, V: int, kind: str, rounds: int, worksp
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="8192,4096,128256;8192,2560,262144;" + ";".join(PRESETS_TRAIN))
+    from logitless.apps.bench.cases import GPU_DEFAULT_PRESETS
+    ap.add_argument("--shapes", default="8192,4096,128256;8192,2560,262144;" + ";".join(GPU_DEFAULT_PRESETS["train"]))
     ap.add_argument("--data", default="uniform", choices=("uniform", "lm"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workspace-bytes", default="0", help="the plan timed: 0 the lean plan (default), or another "
